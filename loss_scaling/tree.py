@@ -1,0 +1,178 @@
+"""Scaling, unscaling and finiteness over pytrees, with the dtype rules.
+
+* Floating leaves take part; integer and bool leaves pass through untouched (and are
+  ignored by the finiteness test). ``None`` and ``optax.MaskedNode`` hold no leaves.
+* :func:`scale` computes in (at least) float32: a float16 loss of 4.0 at scale 2**15 is
+  131072.0, not inf.
+* :func:`unscale` divides by the same factor in (at least) float32 and casts each leaf
+  back to its own dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from loss_scaling.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+
+__all__ = ["all_finite", "scale", "unscale"]
+
+AxisName = Union[str, Sequence[str], None]
+
+
+def _is_floating(x: Any) -> bool:
+    return isinstance(x, float) or (
+        hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def _compute_dtype(x: Any) -> Any:
+    """The dtype a leaf is scaled in: its own, promoted to at least float32."""
+    return jnp.promote_types(jnp.result_type(x), jnp.float32)
+
+
+def _check_state(state: Any) -> None:
+    if not isinstance(state, (NoOpLossScale, StaticLossScale, DynamicLossScale)):
+        raise TypeError(
+            f"state must be a NoOpLossScale, StaticLossScale or DynamicLossScale, got {state!r}."
+        )
+
+
+@jax.jit
+def _scale(factor: jax.Array, tree: Any) -> Any:
+    def leaf(x: Any) -> Any:
+        if not _is_floating(x):
+            return x
+        dtype = _compute_dtype(x)
+        return jnp.asarray(x, dtype) * factor.astype(dtype)
+
+    return jax.tree.map(leaf, tree)
+
+
+def divide_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
+    """``x / factor`` computed in at least float32, returned in ``x``'s dtype."""
+    dtype = _compute_dtype(x)
+    return (jnp.asarray(x, dtype) / factor.astype(dtype)).astype(jnp.result_type(x))
+
+
+@jax.jit
+def _unscale(factor: jax.Array, tree: Any) -> Any:
+    return jax.tree.map(lambda x: divide_leaf(x, factor) if _is_floating(x) else x, tree)
+
+
+def scale(state: LossScale, tree: Any) -> Any:
+    """Multiplies every floating leaf of ``tree`` (a loss or any pytree) by the loss scale.
+
+    Leaves are computed and returned in at least float32, so a float16 loss is never
+    overflowed by the multiplication itself. With :class:`NoOpLossScale` the tree is
+    returned as it is.
+
+    Args:
+      state: a loss-scale state.
+      tree: a scalar loss or any pytree.
+
+    Returns:
+      ``tree`` times the factor; float16 / bfloat16 leaves come back as float32.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import loss_scaling as ls
+      >>> s = ls.DynamicLossScale()            # 2**15
+      >>> ls.scale(s, jnp.float16(4.0))        # would be inf in float16
+      Array(131072., dtype=float32)
+    """
+    _check_state(state)
+    if isinstance(state, NoOpLossScale):
+        return tree
+    return _scale(state.loss_scale, tree)
+
+
+def unscale(state: LossScale, tree: Any) -> Any:
+    """Divides every floating leaf of ``tree`` by the loss scale; each leaf keeps its dtype.
+
+    Use the same state that scaled the loss of this step.
+
+    Args:
+      state: the loss-scale state that scaled the loss.
+      tree: scaled gradients (any pytree).
+
+    Returns:
+      The unscaled tree, with the same structure and dtypes.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import loss_scaling as ls
+      >>> s = ls.StaticLossScale(1024.0)
+      >>> ls.unscale(s, {"w": jnp.array([2048.0, 512.0], jnp.float16)})
+      {'w': Array([2. , 0.5], dtype=float16)}
+    """
+    _check_state(state)
+    if isinstance(state, NoOpLossScale):
+        return tree
+    return _unscale(state.loss_scale, tree)
+
+
+def _reduce_over_axes(finite: jax.Array, axis_name: AxisName) -> jax.Array:
+    if axis_name is None:
+        return finite
+    # AND over replicas as a min of 0/1: one scalar collective per step.
+    return lax.pmin(finite.astype(jnp.int32), axis_name) == 1
+
+
+def _finite_leaves(tree: Any) -> list[jax.Array]:
+    return [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if _is_floating(x)]
+
+
+def _all_finite(tree: Any, axis_name: AxisName) -> jax.Array:
+    flags = _finite_leaves(tree)
+    finite = jnp.stack(flags).all() if flags else jnp.asarray(True)
+    return _reduce_over_axes(finite, axis_name)
+
+
+_all_finite_jit = jax.jit(_all_finite, static_argnames="axis_name")
+
+
+def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
+    """Whether every floating leaf of ``tree`` is free of inf and NaN.
+
+    Integer and bool leaves are ignored; an empty tree is finite.
+
+    Args:
+      tree: any pytree (``None`` leaves and ``optax.MaskedNode`` are fine).
+      axis_name: inside ``pmap`` or ``shard_map``, the mapped axis name (or a tuple of
+        names): the flag is AND-reduced over it, so every replica agrees. Not needed
+        under ``jit`` with shardings, where the test already covers the global array.
+
+    Returns:
+      A scalar bool array.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import loss_scaling as ls
+      >>> ls.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])})
+      Array(False, dtype=bool)
+      >>> ls.all_finite({"a": jnp.ones(3), "step": jnp.int32(7), "skip": None})
+      Array(True, dtype=bool)
+    """
+    if isinstance(axis_name, list):
+        axis_name = tuple(axis_name)
+    return _all_finite_jit(tree, axis_name=axis_name)
+
+
+def unscaled_all_finite(tree: Any, factor: jax.Array, axis_name: AxisName = None) -> jax.Array:
+    """Whether ``unscale`` of ``tree`` by ``factor`` would be finite, read from ``tree``.
+
+    One reduction per leaf over the raw (scaled) values, without materializing the
+    unscaled tree: the largest magnitude is unscaled exactly as :func:`unscale` would do
+    it, so the answer matches ``all_finite(unscale(...))`` bit for bit (max propagates NaN,
+    division and the cast back are monotone).
+    """
+    flags = []
+    for x in jax.tree.leaves(tree):
+        if _is_floating(x):
+            largest = jnp.max(jnp.abs(x)) if jnp.size(x) else jnp.zeros((), jnp.result_type(x))
+            flags.append(jnp.isfinite(divide_leaf(largest, factor)))
+    finite = jnp.stack(flags).all() if flags else jnp.asarray(True)
+    return _reduce_over_axes(finite, axis_name)
