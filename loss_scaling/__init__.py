@@ -13,6 +13,16 @@ from loss_scaling.scalers import (
     StaticLossScale,
     update,
 )
+from loss_scaling.train_state import TrainState
+from loss_scaling.transform import (
+    LossScalingState,
+    LossScalingTransformation,
+    apply_gradients,
+    get_loss_scale,
+    metrics,
+    value_and_grad,
+    with_loss_scaling,
+)
 from loss_scaling.tree import all_finite, scale, unscale
 
 __version__ = "0.1.0"
@@ -21,10 +31,18 @@ __all__ = [
     "DynamicLossScale",
     "LossScale",
     "LossScaleError",
+    "LossScalingState",
+    "LossScalingTransformation",
     "NoOpLossScale",
     "StaticLossScale",
+    "TrainState",
     "all_finite",
+    "apply_gradients",
+    "get_loss_scale",
+    "metrics",
     "scale",
     "unscale",
     "update",
+    "value_and_grad",
+    "with_loss_scaling",
 ]
