@@ -1,0 +1,608 @@
+"""Saving and restoring loss-scale states.
+
+Two routes, both fail-closed:
+
+* :func:`state_dict` / :func:`from_state_dict`: a plain, JSON-compatible dict holding a
+  format version, the kind, the configuration and the values. Restoring validates it as
+  construction does and refuses anything else with a ``ValueError`` naming the field.
+  ``json.dumps`` / ``json.loads`` round trips are bit-exact (every float is a float32
+  value, which a Python float and JSON represent exactly).
+* ``flax.serialization``: importing this module registers the three scaler classes, so
+  ``to_state_dict`` / ``to_bytes`` give the leaves by name (``loss_scale``,
+  ``growth_tracker``, ``nonfinite_tracker``) and ``from_state_dict`` / ``from_bytes``
+  restore them into a target, keeping the *target's* configuration and checking the
+  restored values against it.
+
+A saved state and a freshly configured target can disagree on the configuration (a new
+``growth_interval``, a ``min_scale`` added on resume). Nothing adopts the new settings
+silently: :func:`check_same_config` raises, listing every difference, and
+:func:`restore_with_config` is the explicit way to keep the saved scale and counters under
+the target's configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import reprlib
+from collections.abc import Mapping
+from typing import Any
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loss_scaling.scalers import (
+    DynamicConfig,
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    positive_int32,
+    positive_normal_float32,
+    validate_dynamic_config,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "check_same_config",
+    "from_state_dict",
+    "restore_with_config",
+    "state_dict",
+]
+
+FORMAT_VERSION = 1
+"""The version :func:`state_dict` writes and :func:`from_state_dict` reads."""
+
+_TOP_KEYS = ("format_version", "kind", "config", "values")
+_CONFIG_KEYS = {
+    "noop": (),
+    "static": (),
+    "dynamic": tuple(f.name for f in dataclasses.fields(DynamicConfig)),
+}
+_VALUE_KEYS = {
+    "noop": (),
+    "static": ("loss_scale",),
+    "dynamic": ("loss_scale", "growth_tracker", "nonfinite_tracker"),
+}
+_KIND_OF_TYPE: dict[type, str] = {
+    NoOpLossScale: "noop",
+    StaticLossScale: "static",
+    DynamicLossScale: "dynamic",
+}
+_F32 = np.finfo(np.float32)
+_INT64_BOUND = 2**63
+
+_INVALID = "invalid loss-scale state dict: "
+_USE_RESTORE_WITH_CONFIG = (
+    "To keep the saved loss scale and counters under the target's configuration, use "
+    "`loss_scaling.serialization.restore_with_config(saved, target)`; to keep the saved "
+    "configuration, restore with `from_state_dict(saved)` alone."
+)
+
+_repr = reprlib.Repr()
+_repr.maxstring = 60
+_repr.maxother = 60
+
+
+def _show(value: Any) -> str:
+    """A short repr for error messages that never fails (huge ints, deep nesting)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<an integer of {value.bit_length()} bits>"
+    try:
+        return _repr.repr(value)
+    except Exception:  # repr of hostile input: the message must still be a ValueError
+        return f"<a {type(value).__name__} object>"
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def _mapping(name: str | None, value: Any, keys: tuple[str, ...]) -> Mapping[str, Any]:
+    """``value`` as a mapping with exactly ``keys``; ``name`` None for the top level."""
+    what = "the state dict" if name is None else name
+    prefix = "" if name is None else f"{name}."
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"{_INVALID}{what} must be a dict, got {_show(value)} of type "
+            f"{type(value).__name__}."
+        )
+    missing = [prefix + k for k in keys if k not in value]
+    extra = [prefix + (k if isinstance(k, str) and k.isidentifier() else _show(k))
+             for k in value if not (isinstance(k, str) and k in keys)]
+    if missing or extra:
+        problems = []
+        if missing:
+            problems.append("missing key(s) " + ", ".join(missing))
+        if extra:
+            problems.append("unexpected key(s) " + ", ".join(extra))
+        raise ValueError(
+            f"{_INVALID}{what}: {'; '.join(problems)}. It must have exactly the keys "
+            f"{list(keys)}."
+        )
+    return value
+
+
+def _scalar_item(name: str, value: Any) -> Any:
+    """A concrete 0-d array as its Python scalar; anything else unchanged."""
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(f"{_INVALID}{name} must be a concrete number, got a traced value.")
+    if isinstance(value, (np.ndarray, jax.Array)) and value.shape == ():
+        return value.item()
+    return value
+
+
+def _number(name: str, value: Any) -> float:
+    """A real number (int or float, not bool) as a Python float; range not checked."""
+    value = _scalar_item(name, value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
+        raise ValueError(
+            f"{_INVALID}{name} must be a number, got {_show(value)} of type "
+            f"{type(value).__name__}."
+        )
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(
+            f"{_INVALID}{name} must be a finite number, got {_show(value)}."
+        ) from None
+
+
+def _integer(name: str, value: Any) -> int:
+    """An integer (not bool, not float) as a Python int in the int64 range."""
+    value = _scalar_item(name, value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(
+            f"{_INVALID}{name} must be an integer, got {_show(value)} of type "
+            f"{type(value).__name__}."
+        )
+    as_int = int(value)
+    if not -_INT64_BOUND <= as_int < _INT64_BOUND:
+        raise ValueError(f"{_INVALID}{name} is out of range: got {_show(value)}.")
+    return as_int
+
+
+def _scale(name: str, value: Any) -> float:
+    try:
+        return positive_normal_float32(name, _number(name, value))
+    except ValueError as error:
+        raise ValueError(_prefixed(error)) from None
+
+
+def _prefixed(error: ValueError) -> str:
+    message = str(error)
+    return message if message.startswith(_INVALID) else _INVALID + message
+
+
+def _in_range(name: str, value: int, low: int, high: int, bound: str) -> int:
+    if not low <= value <= high:
+        raise ValueError(
+            f"{_INVALID}{name} must be an integer in [{low}, {bound}] = [{low}, {high}], "
+            f"got {value}."
+        )
+    return value
+
+
+def _parse(d: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
+    """Validates a state dict; returns its kind, its config (dynamic only) and values."""
+    d = _mapping(None, d, _TOP_KEYS)
+    version = d["format_version"]
+    if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)):
+        raise ValueError(
+            f"{_INVALID}format_version must be the integer {FORMAT_VERSION}, got "
+            f"{_show(version)} of type {type(version).__name__}."
+        )
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"{_INVALID}unsupported format_version {_show(version)}: this version of "
+            f"loss_scaling reads format_version {FORMAT_VERSION}."
+        )
+    kind = d["kind"]
+    if not isinstance(kind, str) or kind not in _CONFIG_KEYS:
+        raise ValueError(
+            f"{_INVALID}unknown kind {_show(kind)}: expected one of {list(_CONFIG_KEYS)}."
+        )
+    raw_config = _mapping("config", d["config"], _CONFIG_KEYS[kind])
+    raw_values = _mapping("values", d["values"], _VALUE_KEYS[kind])
+    if kind == "noop":
+        return kind, None, {}
+    loss_scale = _scale("values.loss_scale", raw_values["loss_scale"])
+    if kind == "static":
+        return kind, None, {"loss_scale": loss_scale}
+
+    # Each field on its own first, so that the message names the one at fault.
+    factors = {k: _number(f"config.{k}", raw_config[k])
+               for k in ("growth_factor", "backoff_factor")}
+    ints = {}
+    for k in ("growth_interval", "hysteresis"):
+        try:
+            ints[k] = positive_int32(f"config.{k}", _integer(f"config.{k}", raw_config[k]))
+        except ValueError as error:
+            raise ValueError(_prefixed(error)) from None
+    bounds = {k: None if raw_config[k] is None else _scale(f"config.{k}", raw_config[k])
+              for k in ("min_scale", "max_scale")}
+    if bounds["min_scale"] is not None and loss_scale < bounds["min_scale"]:
+        raise ValueError(
+            f"{_INVALID}values.loss_scale ({loss_scale!r}) is below config.min_scale "
+            f"({bounds['min_scale']!r})."
+        )
+    if bounds["max_scale"] is not None and loss_scale > bounds["max_scale"]:
+        raise ValueError(
+            f"{_INVALID}values.loss_scale ({loss_scale!r}) is above config.max_scale "
+            f"({bounds['max_scale']!r})."
+        )
+    try:
+        config, loss_scale = validate_dynamic_config(
+            init_scale=loss_scale, **factors, **ints, **bounds)
+    except ValueError as error:  # names the argument (growth_factor, backoff_factor)
+        raise ValueError(f"{_INVALID}config.{error}") from None
+    growth_tracker = _in_range(
+        "values.growth_tracker",
+        _integer("values.growth_tracker", raw_values["growth_tracker"]),
+        0, config.growth_interval - 1, "config.growth_interval - 1")
+    nonfinite_tracker = _in_range(
+        "values.nonfinite_tracker",
+        _integer("values.nonfinite_tracker", raw_values["nonfinite_tracker"]),
+        0, config.hysteresis, "config.hysteresis")
+    return kind, config, {
+        "loss_scale": loss_scale,
+        "growth_tracker": growth_tracker,
+        "nonfinite_tracker": nonfinite_tracker,
+    }
+
+
+def _build(kind: str, config: DynamicConfig | None, values: dict[str, Any]) -> LossScale:
+    if kind == "noop":
+        return NoOpLossScale()
+    if kind == "static":
+        return StaticLossScale(values["loss_scale"])
+    assert config is not None
+    return DynamicLossScale._from_parts(config, (
+        jnp.asarray(values["loss_scale"], jnp.float32),
+        jnp.asarray(values["growth_tracker"], jnp.int32),
+        jnp.asarray(values["nonfinite_tracker"], jnp.int32),
+    ))
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _kind(scaler: Any) -> str:
+    kind = _KIND_OF_TYPE.get(type(scaler))
+    if kind is None:
+        raise TypeError(
+            "expected a NoOpLossScale, StaticLossScale or DynamicLossScale, got "
+            f"{_show(scaler)} of type {type(scaler).__name__}."
+        )
+    return kind
+
+
+def _read(name: str, leaf: Any, integer: bool) -> float | int:
+    """A scalar leaf as a Python number; refuses tracers and non-scalars."""
+    if isinstance(leaf, jax.core.Tracer):
+        raise ValueError(
+            f"state_dict needs concrete values, but {name} is a traced value {leaf!r}: call "
+            "it outside jit/grad/vmap, on the state a compiled step returned."
+        )
+    array = np.asarray(leaf)
+    if array.shape != ():
+        raise ValueError(
+            f"state_dict needs scalar values, but {name} has shape {array.shape}. A "
+            "replicated state (pmap) has a leading device axis: save one replica, e.g. "
+            "`jax.tree.map(lambda x: x[0], scaler)`."
+        )
+    kinds = "iu" if integer else "f"
+    if array.dtype.kind not in kinds:
+        raise ValueError(
+            f"state_dict needs {'an integer' if integer else 'a floating'} {name}, got "
+            f"dtype {array.dtype}."
+        )
+    if integer:
+        return int(array)
+    with np.errstate(over="ignore", under="ignore"):
+        return float(array.astype(np.float32))
+
+
+def state_dict(scaler: LossScale) -> dict[str, Any]:
+    """A loss-scale state as a plain, JSON-compatible dict.
+
+    ``{"format_version": 1, "kind": ..., "config": {...}, "values": {...}}`` holding only
+    str, int, float and None: ``kind`` is ``"noop"``, ``"static"`` or ``"dynamic"``;
+    for ``"dynamic"``, ``config`` has every constructor setting but ``init_scale`` and
+    ``values`` has ``loss_scale`` (float), ``growth_tracker`` and ``nonfinite_tracker``
+    (int). Floats are float32 values, so ``json.dumps`` / ``json.loads`` round trips are
+    bit-exact.
+
+    The state is checked as :func:`from_state_dict` would check it, so a dict that cannot
+    be restored is never written.
+
+    Args:
+      scaler: a ``NoOpLossScale``, ``StaticLossScale`` or ``DynamicLossScale`` with
+        concrete scalar values (not inside ``jit``; one replica of a ``pmap``-ed state).
+
+    Returns:
+      A new dict.
+
+    Raises:
+      ValueError: if a value is traced, not a scalar, or invalid (e.g. a NaN scale).
+      TypeError: if ``scaler`` is not a loss-scale state.
+
+    Examples:
+      >>> import json
+      >>> import loss_scaling as ls
+      >>> from loss_scaling.serialization import state_dict, from_state_dict
+      >>> s = ls.update(ls.DynamicLossScale(init_scale=1024.0, growth_interval=100), True)
+      >>> d = state_dict(s)
+      >>> d["kind"], d["values"]
+      ('dynamic', {'loss_scale': 1024.0, 'growth_tracker': 1, 'nonfinite_tracker': 0})
+      >>> d["config"]["growth_interval"]
+      100
+      >>> restored = from_state_dict(json.loads(json.dumps(d)))
+      >>> float(restored.loss_scale), int(restored.growth_tracker)
+      (1024.0, 1)
+      >>> state_dict(ls.StaticLossScale(128.0))
+      {'format_version': 1, 'kind': 'static', 'config': {}, 'values': {'loss_scale': 128.0}}
+    """
+    kind = _kind(scaler)
+    config: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    if isinstance(scaler, StaticLossScale):
+        values["loss_scale"] = _read("loss_scale", scaler.loss_scale, integer=False)
+    elif isinstance(scaler, DynamicLossScale):
+        config = dataclasses.asdict(scaler.config)
+        values["loss_scale"] = _read("loss_scale", scaler.loss_scale, integer=False)
+        for name in ("growth_tracker", "nonfinite_tracker"):
+            values[name] = _read(name, getattr(scaler, name), integer=True)
+    d = {"format_version": FORMAT_VERSION, "kind": kind, "config": config, "values": values}
+    _parse(d)
+    return d
+
+
+def from_state_dict(d: Any) -> LossScale:
+    """Rebuilds a loss-scale state from a dict made by :func:`state_dict`.
+
+    The dict is validated as construction validates its arguments, and more: exactly the
+    expected keys at every level, the expected types (ints are accepted where floats are
+    expected, bools never), a known ``format_version`` and ``kind``, a valid
+    configuration, a finite, positive, normal float32 ``loss_scale`` inside
+    ``[min_scale, max_scale]``, ``0 <= growth_tracker < growth_interval`` and
+    ``0 <= nonfinite_tracker <= hysteresis``.
+
+    Args:
+      d: the dict (e.g. from ``json.loads``).
+
+    Returns:
+      A ``NoOpLossScale``, ``StaticLossScale`` or ``DynamicLossScale`` whose leaves are
+      float32 / int32 scalar arrays.
+
+    Raises:
+      ValueError: naming the field at fault, for anything that is not a valid state dict.
+        No other exception escapes for any JSON-like ``d`` (dicts, lists, strings,
+        numbers, bools and None, however nested or large).
+
+    Examples:
+      >>> from loss_scaling.serialization import from_state_dict
+      >>> d = {"format_version": 1, "kind": "static", "config": {},
+      ...      "values": {"loss_scale": 1024}}
+      >>> from_state_dict(d)
+      StaticLossScale(loss_scale=Array(1024., dtype=float32))
+      >>> d["values"]["loss_scale"] = float("nan")
+      >>> from_state_dict(d)
+      Traceback (most recent call last):
+      ...
+      ValueError: invalid loss-scale state dict: values.loss_scale must be a finite, ...
+    """
+    return _build(*_parse(d))
+
+
+# -------------------------------------------------------------------- config changes
+
+
+def _saved_parts(saved: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
+    return _parse(saved if isinstance(saved, Mapping) else state_dict(saved))
+
+
+def _config_differences(saved: Any, target: LossScale) -> list[str]:
+    """Every field on which ``saved`` and ``target`` disagree, as readable lines."""
+    target_kind = _kind(target)
+    if isinstance(saved, Mapping):
+        saved_kind, saved_config, _ = _parse(saved)
+    else:
+        saved_kind = _kind(saved)
+        saved_config = saved.config if isinstance(saved, DynamicLossScale) else None
+    if saved_kind != target_kind:
+        return [f"kind: saved {saved_kind!r}, target {target_kind!r}"]
+    if saved_config is None or not isinstance(target, DynamicLossScale):
+        return []
+    return [
+        f"{f.name}: saved {getattr(saved_config, f.name)!r}, "
+        f"target {getattr(target.config, f.name)!r}"
+        for f in dataclasses.fields(DynamicConfig)
+        if getattr(saved_config, f.name) != getattr(target.config, f.name)
+    ]
+
+
+def check_same_config(saved: LossScale | Mapping[str, Any], target: LossScale) -> None:
+    """Raises unless ``saved`` has the same kind and configuration as ``target``.
+
+    The check a restore makes by default before it lets saved values into a freshly
+    configured run: a changed setting is an error, never adopted (or dropped) silently.
+
+    Args:
+      saved: the saved state, as a loss-scale state or a dict from :func:`state_dict`
+        (validated).
+      target: the freshly configured loss-scale state.
+
+    Raises:
+      ValueError: listing every differing field with both values (or if ``saved`` is an
+        invalid state dict).
+      TypeError: if ``target`` or ``saved`` is not a loss-scale state (or a dict).
+
+    Examples:
+      >>> import loss_scaling as ls
+      >>> from loss_scaling.serialization import check_same_config
+      >>> check_same_config(ls.DynamicLossScale(), ls.DynamicLossScale())
+      >>> check_same_config(ls.DynamicLossScale(),
+      ...                   ls.DynamicLossScale(growth_interval=100, min_scale=1.0))
+      Traceback (most recent call last):
+      ...
+      ValueError: the saved loss-scale configuration differs from the target's:
+        growth_interval: saved 2000, target 100
+        min_scale: saved None, target 1.0
+      ...
+    """
+    differences = _config_differences(saved, target)
+    if differences:
+        raise ValueError(
+            "the saved loss-scale configuration differs from the target's:\n  "
+            + "\n  ".join(differences) + "\n" + _USE_RESTORE_WITH_CONFIG
+        )
+
+
+def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale) -> LossScale:
+    """The saved values under the target's configuration: the explicit way to adopt it.
+
+    Use it to resume a run with new loss-scale settings (say a shorter
+    ``growth_interval``) while keeping the scale and counters the run had reached. The
+    result has ``target``'s configuration and ``saved``'s ``loss_scale``; the counters are
+    clamped into the new configuration's range (``growth_tracker`` to at most
+    ``growth_interval - 1``, ``nonfinite_tracker`` to at most ``hysteresis``). The scale
+    is not clamped: one outside the target's ``[min_scale, max_scale]`` is an error.
+    ``target``'s own values are not used.
+
+    Args:
+      saved: the saved state, as a loss-scale state or a dict from :func:`state_dict`
+        (validated against its own configuration first).
+      target: a freshly configured state of the same kind.
+
+    Returns:
+      A new state of the target's kind and configuration.
+
+    Raises:
+      ValueError: if the kinds differ, if ``saved`` is invalid, or if the saved
+        ``loss_scale`` lies outside the target's ``[min_scale, max_scale]``.
+      TypeError: if ``target`` or ``saved`` is not a loss-scale state (or a dict).
+
+    Examples:
+      >>> import loss_scaling as ls
+      >>> from loss_scaling.serialization import restore_with_config
+      >>> saved = ls.DynamicLossScale(init_scale=256.0, growth_interval=2000)
+      >>> for _ in range(150):
+      ...     saved = ls.update(saved, True)
+      >>> s = restore_with_config(saved, ls.DynamicLossScale(growth_interval=100))
+      >>> float(s.loss_scale), int(s.growth_tracker), s.growth_interval
+      (256.0, 99, 100)
+      >>> float(ls.update(s, True).loss_scale)   # the 100th clean step grows
+      512.0
+    """
+    target_kind = _kind(target)
+    kind, _, values = _saved_parts(saved)
+    if kind != target_kind:
+        raise ValueError(
+            f"kind: saved {kind!r}, target {target_kind!r}. restore_with_config keeps the "
+            "kind; to change it, build the new state from the saved scale, e.g. "
+            "`ls.StaticLossScale(float(saved.loss_scale))`."
+        )
+    if not isinstance(target, DynamicLossScale):
+        return _build(kind, None, values)
+    config = target.config
+    scale = values["loss_scale"]
+    if config.min_scale is not None and scale < config.min_scale:
+        raise ValueError(
+            f"the saved loss_scale ({scale!r}) is below the target's min_scale "
+            f"({config.min_scale!r}); lower min_scale or keep the saved configuration."
+        )
+    if config.max_scale is not None and scale > config.max_scale:
+        raise ValueError(
+            f"the saved loss_scale ({scale!r}) is above the target's max_scale "
+            f"({config.max_scale!r}); raise max_scale or keep the saved configuration."
+        )
+    return _build("dynamic", config, {
+        "loss_scale": scale,
+        "growth_tracker": min(values["growth_tracker"], config.growth_interval - 1),
+        "nonfinite_tracker": min(values["nonfinite_tracker"], config.hysteresis),
+    })
+
+
+# ------------------------------------------------------------------ flax.serialization
+
+_FLAX_LEAVES = {
+    NoOpLossScale: (),
+    StaticLossScale: ("loss_scale",),
+    DynamicLossScale: ("loss_scale", "growth_tracker", "nonfinite_tracker"),
+}
+
+
+def _flax_to_state_dict(scaler: LossScale) -> dict[str, Any]:
+    return {name: getattr(scaler, name) for name in _FLAX_LEAVES[type(scaler)]}
+
+
+def _flax_error(message: str) -> ValueError:
+    path = flax.serialization.current_path()
+    return ValueError(f"cannot restore the loss-scale state at {path!r}: {message}")
+
+
+def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
+    """Checks a concrete restored leaf against the target's configuration.
+
+    Placeholders (``None``, ``ShapeDtypeStruct``, tracers) pass through untouched.
+    Anything else must be a numeric array (of any shape: a ``pmap``-ed state has a
+    leading device axis), checked elementwise.
+    """
+    if value is None or isinstance(value, (jax.ShapeDtypeStruct, jax.core.Tracer)):
+        return value
+    try:
+        array = np.asarray(value)
+    except Exception:  # ragged lists and other junk: still a ValueError
+        raise _flax_error(f"{name} must be an array, got {_show(value)}.") from None
+    integer = name != "loss_scale"
+    if array.dtype.kind not in ("iu" if integer else "f"):
+        raise _flax_error(
+            f"{name} must be {'an integer' if integer else 'a floating'} array, got "
+            f"{_show(value)} of dtype {array.dtype}.")
+    dtype = np.int32 if integer else np.float32
+    if integer:
+        assert isinstance(target, DynamicLossScale)  # the only kind with integer leaves
+        config = target.config
+        high = config.growth_interval - 1 if name == "growth_tracker" else config.hysteresis
+        if array.size and not (array.min() >= 0 and array.max() <= high):
+            raise _flax_error(
+                f"{name} must lie in [0, {high}] for the target's configuration, got "
+                f"{_show(value)}. If the saved configuration differs, restore the saved "
+                "state with its own configuration and adopt the new one with "
+                "`loss_scaling.serialization.restore_with_config`.")
+    else:
+        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+            as_f32 = array.astype(np.float32)
+        low = float(_F32.tiny)
+        high_scale = float(_F32.max)
+        if isinstance(target, DynamicLossScale):
+            low = max(low, target.min_scale or low)
+            high_scale = min(high_scale, target.max_scale or high_scale)
+        if as_f32.size and not np.all(np.isfinite(as_f32) & (as_f32 >= low)
+                                      & (as_f32 <= high_scale)):
+            raise _flax_error(
+                f"loss_scale must be a finite, positive, normal float32 in [{low!r}, "
+                f"{high_scale!r}] (the target's range), got {_show(value)}.")
+    if isinstance(value, jax.Array) and value.dtype == dtype:
+        return value
+    return jnp.asarray(array.astype(dtype))
+
+
+def _flax_from_state_dict(target: LossScale, state: Any) -> LossScale:
+    names = _FLAX_LEAVES[type(target)]
+    if not isinstance(state, Mapping) or set(state) != set(names):
+        got = sorted(map(_show, state)) if isinstance(state, Mapping) else _show(state)
+        raise _flax_error(f"expected a dict with exactly the keys {list(names)}, got {got}.")
+    leaves = [_flax_leaf(target, name, state[name]) for name in names]
+    # Every child of the target counts as one leaf, whatever it holds (even None).
+    treedef = jax.tree.structure(target, is_leaf=lambda x: x is not target)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+for _cls in _FLAX_LEAVES:
+    # override=True: re-importing (or reloading) this module must not fail.
+    flax.serialization.register_serialization_state(
+        _cls, _flax_to_state_dict, _flax_from_state_dict, override=True)
