@@ -41,11 +41,20 @@ def _is_traced(value: Any) -> bool:
     return isinstance(value, jax.core.Tracer)
 
 
+def show(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, shortened, and safe on hostile inputs (huge ints, deep nesting)."""
+    try:
+        text = repr(value)
+    except (RecursionError, ValueError):
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _real(name: str, value: Any) -> float:
     """``value`` as a Python float, refusing bools, strings, tracers and non-scalars."""
     if _is_traced(value):
         raise ValueError(
-            f"{name} must be a concrete number, got a traced value {value!r}: construct loss "
+            f"{name} must be a concrete number, got a traced value {show(value)}: construct loss "
             "scales outside `jit` (a state passed into `jit` keeps its configuration)."
         )
     if isinstance(value, (bool, np.bool_)) or not (
@@ -54,8 +63,12 @@ def _real(name: str, value: Any) -> float:
             and np.issubdtype(value.dtype, np.number)
             and not np.issubdtype(value.dtype, np.complexfloating))
     ):
-        raise ValueError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}.")
-    return float(value)
+        raise ValueError(
+            f"{name} must be a real number, got {show(value)} of type {type(value).__name__}.")
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond the float range
+        return float("inf")
 
 
 def _float32(value: float) -> np.float32:
@@ -69,29 +82,29 @@ def positive_normal_float32(name: str, value: Any) -> float:
     if not (np.isfinite(as_f32) and as_f32 >= _F32.tiny):
         raise ValueError(
             f"{name} must be a finite, positive, normal float32 (between {_F32.tiny} and "
-            f"{_F32.max}), got {value!r}."
+            f"{_F32.max}), got {show(value)}."
         )
     return float(as_f32)
 
 
 def positive_int32(name: str, value: Any) -> int:
     if isinstance(value, (bool, np.bool_)) or _is_traced(value):
-        raise ValueError(f"{name} must be an integer, got {value!r}.")
+        raise ValueError(f"{name} must be an integer, got {show(value)}.")
     try:
         as_int = operator.index(value)
     except TypeError:
         raise ValueError(
-            f"{name} must be an integer, got {value!r} of type {type(value).__name__}."
+            f"{name} must be an integer, got {show(value)} of type {type(value).__name__}."
         ) from None
     if not 1 <= as_int <= _INT32_MAX:
-        raise ValueError(f"{name} must be an integer in [1, {_INT32_MAX}], got {value!r}.")
+        raise ValueError(f"{name} must be an integer in [1, {_INT32_MAX}], got {show(value)}.")
     return as_int
 
 
 def _growth_factor(value: Any) -> float:
     as_f32 = _float32(_real("growth_factor", value))
     if not (np.isfinite(as_f32) and as_f32 > 1.0):
-        raise ValueError(f"growth_factor must be finite and > 1 as a float32, got {value!r}.")
+        raise ValueError(f"growth_factor must be finite and > 1 as a float32, got {show(value)}.")
     return float(as_f32)
 
 
@@ -99,7 +112,7 @@ def _backoff_factor(value: Any) -> float:
     as_f32 = _float32(_real("backoff_factor", value))
     if not (0.0 < as_f32 < 1.0):
         raise ValueError(
-            f"backoff_factor must lie in the open interval (0, 1) as a float32, got {value!r}."
+            f"backoff_factor must lie in the open interval (0, 1) as a float32, got {show(value)}."
         )
     return float(as_f32)
 
@@ -111,6 +124,12 @@ def _frozen_setattr(self: Any, name: str, value: Any) -> None:
     raise dataclasses.FrozenInstanceError(
         f"{type(self).__name__} is immutable: cannot assign {name!r}. Use "
         "`loss_scaling.update` to get the next state."
+    )
+
+
+def _frozen_delattr(self: Any, name: str) -> None:
+    raise dataclasses.FrozenInstanceError(
+        f"{type(self).__name__} is immutable: cannot delete {name!r}."
     )
 
 
@@ -131,6 +150,7 @@ class NoOpLossScale:
 
     __slots__ = ()
     __setattr__ = _frozen_setattr
+    __delattr__ = _frozen_delattr
 
     @property
     def loss_scale(self) -> jax.Array:
@@ -164,6 +184,7 @@ class StaticLossScale:
 
     __slots__ = ("loss_scale",)
     __setattr__ = _frozen_setattr
+    __delattr__ = _frozen_delattr
     loss_scale: jax.Array
 
     def __init__(self, loss_scale: float) -> None:
@@ -231,6 +252,7 @@ class DynamicLossScale:
 
     __slots__ = ("loss_scale", "growth_tracker", "nonfinite_tracker", "config")
     __setattr__ = _frozen_setattr
+    __delattr__ = _frozen_delattr
     loss_scale: jax.Array
     growth_tracker: jax.Array
     nonfinite_tracker: jax.Array
@@ -402,7 +424,7 @@ def _dynamic_step(
 _dynamic_step_jit = jax.jit(_dynamic_step)
 
 
-def update(state: LossScale, grads_finite: Any) -> LossScale:
+def update(state: LossScale, grads_finite: Any, *, runtime_check: bool = True) -> LossScale:
     """Returns the state for the next step, given whether this step's gradients were finite.
 
     Call it on every step, skipped or not, after the optimizer step. ``NoOpLossScale`` and
@@ -412,6 +434,13 @@ def update(state: LossScale, grads_finite: Any) -> LossScale:
     Args:
       state: the current loss-scale state.
       grads_finite: a scalar bool (Python or array), e.g. from :func:`all_finite`.
+      runtime_check: under ``jit``, raise at run time when a backoff leaves the normal
+        float32 range (the default). The check is a host callback in the untaken branch of
+        a ``lax.cond``: no device round trip on healthy steps, but JAX dispatches any
+        executable holding a host callback on its slower path (about 1 ms of host time
+        per step, see the README). ``False`` leaves it out: the failed scale is then NaN,
+        so every later step is skipped (still fail-closed, but silent). Nothing is
+        compiled in either way when ``min_scale`` is set, since the backoff cannot fail.
 
     Returns:
       The new state, of the same kind and configuration.
@@ -442,8 +471,9 @@ def update(state: LossScale, grads_finite: Any) -> LossScale:
     finite = _as_finite_flag(grads_finite)
     if any(_is_traced(x) for x in jax.tree.leaves((state, finite))):
         new_state, failed, attempted = _dynamic_step(state, finite)
-        _errors.raise_if_backoff_underflow(
-            failed, state.loss_scale, attempted, state.config.backoff_factor)
+        if runtime_check and state.config.min_scale is None:  # with a floor it cannot fail
+            _errors.raise_if_backoff_underflow(
+                failed, state.loss_scale, attempted, state.config.backoff_factor)
         return new_state
     new_state, failed, attempted = _dynamic_step_jit(state, finite)
     if bool(failed):

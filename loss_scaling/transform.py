@@ -77,6 +77,39 @@ def _negative_zeros_like(shapes: Any) -> Any:
     return jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes)
 
 
+def _varying_axes(x: Any) -> frozenset[Any]:
+    """The ``shard_map`` axes over which ``x`` (an array or a ShapeDtypeStruct) varies."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _vary(x: Any, axes: frozenset[Any]) -> Any:
+    missing = axes - _varying_axes(x)
+    return lax.pcast(x, tuple(sorted(missing, key=str)), to="varying") if missing else x
+
+
+def _skip_cond(finite: jax.Array, step: Callable[[Any], Any], skip_step: Callable[[Any], Any],
+               operands: Any) -> Any:
+    """``lax.cond(finite, step, skip_step, operands)``, valid under ``shard_map``'s vma checks.
+
+    Inside ``shard_map`` the two branches can disagree on the mesh axes an output varies
+    over, e.g. tensor-parallel updates vary over "model" where the ``-0.0`` of a skip does
+    not. Each output is cast to the union of both (``pcast`` to varying: a change of type,
+    no communication), so the cond type-checks and the shard_map's ``out_specs`` judge
+    the result. Outside ``shard_map`` this is a plain ``lax.cond``.
+    """
+    if not jax.sharding.get_abstract_mesh().manual_axes:
+        return lax.cond(finite, step, skip_step, operands)
+    stepped, skipped = (jax.eval_shape(f, operands) for f in (step, skip_step))
+    axes = jax.tree.map(lambda a, b: _varying_axes(a) | _varying_axes(b), stepped, skipped)
+
+    def cast(branch: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        return lambda operands: jax.tree.map(_vary, branch(operands), axes)
+
+    return lax.cond(finite, cast(step), cast(skip_step), operands)
+
+
 def _count(counter: jax.Array, finite: jax.Array, reset: bool) -> jax.Array:
     stepped = optax.safe_increment(counter)
     return jnp.where(finite, jnp.zeros_like(counter) if reset else counter, stepped)
@@ -88,6 +121,7 @@ class _Core(NamedTuple):
     inner: optax.GradientTransformationExtraArgs
     axis_name: AxisName
     skip: Literal["cond", "select"]
+    runtime_check: bool
 
 
 class LossScalingTransformation(optax.GradientTransformationExtraArgs):
@@ -106,6 +140,7 @@ def with_loss_scaling(
     *,
     axis_name: AxisName = None,
     skip: SkipMode = "auto",
+    runtime_check: bool = True,
 ) -> LossScalingTransformation:
     """Wraps ``inner`` so that it takes gradients of the scaled loss and skips bad steps.
 
@@ -124,6 +159,9 @@ def with_loss_scaling(
       skip: how a skipped step is implemented: ``"cond"`` (a ``lax.cond`` around the
         inner update), ``"select"`` (compute, then select), or ``"auto"`` (the one
         measured faster on the current backend).
+      runtime_check: passed to :func:`loss_scaling.update`: whether a backoff out of the
+        float32 range raises at run time under ``jit`` (a host callback that JAX's
+        dispatch pays for on every step) or only poisons the scale with NaN.
 
     Returns:
       A :class:`LossScalingTransformation` (an ``optax.GradientTransformationExtraArgs``).
@@ -187,22 +225,24 @@ def with_loss_scaling(
                 out_shapes = jax.eval_shape(step, operands)
                 return _negative_zeros_like(out_shapes[0]), operands[1]
 
-            new_updates, new_inner = lax.cond(finite, step, skip_step, operands)
+            new_updates, new_inner = _skip_cond(finite, step, skip_step, operands)
         else:
             stepped_updates, stepped_inner = step(operands)
             new_updates = jax.tree.map(
                 lambda u: jnp.where(finite, u, jnp.full_like(u, -0.0)), stepped_updates)
             new_inner = optax.tree.where(finite, stepped_inner, state.inner_state)
-        return new_updates, _next_state(state, new_inner, finite)
+        return new_updates, _next_state(state, new_inner, finite, runtime_check)
 
     tx = LossScalingTransformation(init_fn, update_fn)
-    tx.core = _Core(inner=inner, axis_name=axis_name, skip=_resolve_skip(skip))
+    tx.core = _Core(inner=inner, axis_name=axis_name, skip=_resolve_skip(skip),
+                    runtime_check=runtime_check)
     return tx
 
 
-def _next_state(state: LossScalingState, inner_state: Any, finite: jax.Array) -> LossScalingState:
+def _next_state(state: LossScalingState, inner_state: Any, finite: jax.Array,
+                runtime_check: bool) -> LossScalingState:
     return LossScalingState(
-        scaler=scalers.update(state.scaler, finite),
+        scaler=scalers.update(state.scaler, finite, runtime_check=runtime_check),
         inner_state=inner_state,
         skipped_steps=_count(state.skipped_steps, finite, reset=False),
         consecutive_skips=_count(state.consecutive_skips, finite, reset=True),
@@ -261,12 +301,13 @@ def apply_gradients(
 
     operands = (grads, opt_state.inner_state, params)
     if core.skip == "cond":
-        new_params, new_inner = lax.cond(finite, step, lambda ops: (ops[2], ops[1]), operands)
+        new_params, new_inner = _skip_cond(finite, step, lambda ops: (ops[2], ops[1]),
+                                           operands)
     else:
         stepped_params, stepped_inner = step(operands)
         new_params = optax.tree.where(finite, stepped_params, params)
         new_inner = optax.tree.where(finite, stepped_inner, opt_state.inner_state)
-    return new_params, _next_state(opt_state, new_inner, finite)
+    return new_params, _next_state(opt_state, new_inner, finite, core.runtime_check)
 
 
 # ------------------------------------------------------------------- finding the scaler
@@ -280,7 +321,8 @@ def _unwrap_variables(x: Any) -> Any:
         return x
     if isinstance(x, nnx.Optimizer):
         x = x.opt_state
-    return jax.tree.map(lambda v: v.value if isinstance(v, nnx.Variable) else v, x,
+    # get_value(): flax >= 0.12 deprecates `.value` (a DeprecationWarning on every call).
+    return jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, x,
                         is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 

@@ -170,15 +170,31 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
 def unscaled_all_finite(tree: Any, factor: jax.Array, axis_name: AxisName = None) -> jax.Array:
     """Whether ``unscale`` of ``tree`` by ``factor`` would be finite, read from ``tree``.
 
-    One reduction per leaf over the raw (scaled) values, without materializing the
-    unscaled tree: the largest magnitude is unscaled exactly as :func:`unscale` would do
-    it, so the answer matches ``all_finite(unscale(...))`` bit for bit (max propagates NaN,
-    division and the cast back are monotone).
+    One fused reduction per leaf over the raw (scaled) values, without materializing the
+    unscaled tree. Per leaf, ``sum(|x|)`` in float32 (float64 for float64 leaves) times
+    ``1 / factor`` must not exceed the leaf dtype's largest value: inf and NaN propagate
+    through a sum, also through the cross-device sum that ``jit`` with shardings ends in
+    (a cross-device *max* drops NaN on XLA CPU), and since every entry is at most the
+    sum, no entry can overflow when unscaled. Float16 leaves, whose range a sum of many
+    entries would exceed, also compare ``max(|x|)`` instead (a second reduction).
+
+    A leaf whose sum of magnitudes passes float32's range while every entry is finite
+    (entries around 1e31) reads as non-finite: the step is skipped and the scale backs
+    off, the safe direction.
     """
     flags = []
     for x in jax.tree.leaves(tree):
-        if _is_floating(x):
-            largest = jnp.max(jnp.abs(x)) if jnp.size(x) else jnp.zeros((), jnp.result_type(x))
-            flags.append(jnp.isfinite(divide_leaf(largest, factor)))
+        if not _is_floating(x):
+            continue
+        dtype = jnp.result_type(x)
+        compute = _compute_dtype(x)
+        limit = jnp.asarray(jnp.finfo(dtype).max, compute)
+        inverse = 1 / factor.astype(compute)
+        total = jnp.sum(jnp.abs(x), dtype=compute)
+        if jnp.finfo(dtype).max < jnp.finfo(jnp.float32).max / 2:  # float16 and narrower
+            largest = jnp.max(jnp.abs(x)).astype(compute) if jnp.size(x) else total
+            flags.append(jnp.isfinite(total) & (largest * inverse <= limit))
+        else:
+            flags.append(total * inverse <= limit)
     finite = jnp.stack(flags).all() if flags else jnp.asarray(True)
     return _reduce_over_axes(finite, axis_name)

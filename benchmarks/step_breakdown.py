@@ -1,0 +1,91 @@
+"""Where the fused step's overhead goes: each mechanism switched off in turn.
+
+    python benchmarks/step_breakdown.py [--params 2e8]
+
+Times, interleaved in one process and as ratios to a bare ``optax.adam`` step:
+the fused ``apply_gradients`` as shipped; without the in-graph fail-closed check
+(``runtime_check=False``, or a ``min_scale`` that compiles it away); with ``all(isfinite)``
+instead of the max-abs test (patched in at trace time: a diagnostic, not an API); and
+with ``skip="select"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import loss_scaling as ls
+from loss_scaling import tree
+
+from overhead import SCALE, make_params  # type: ignore[import-not-found]
+
+
+def isfinite_all(grads, factor, axis_name=None):
+    flags = [jnp.isfinite(x).all() for x in jax.tree.leaves(grads)]
+    return jnp.stack(flags).all()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--params", type=float, default=20e6)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+
+    params0 = make_params(args.params, 40)
+    grads = jax.tree.map(lambda p: p * 1e-3 * SCALE, params0)
+    inner = optax.adam(1e-3)
+    isfinite = mock.patch.object(tree, "unscaled_all_finite", isfinite_all)
+
+    def bare(p, s, g):
+        u, s = inner.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    def fused(**options):
+        scaler = ls.DynamicLossScale(init_scale=SCALE, min_scale=options.pop("min_scale", None))
+        tx = ls.with_loss_scaling(inner, scaler, **options)
+        # A new function per variant: jit caches traces by function identity.
+        return (lambda p, s, g: ls.apply_gradients(tx, g, s, p)), tx.init
+
+    variants = {
+        "bare optax.adam": (bare, inner.init, []),
+        "fused, as shipped": (*fused(), []),
+        "fused, runtime_check=False": (*fused(runtime_check=False), []),
+        "fused, min_scale set (no check compiled)": (*fused(min_scale=1.0), []),
+        "fused, runtime_check=False, isfinite test": (*fused(runtime_check=False), [isfinite]),
+        "fused, runtime_check=False, skip=select": (*fused(runtime_check=False,
+                                                           skip="select"), []),
+    }
+    compiled, carries = {}, {}
+    for name, (step, init, patches) in variants.items():
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
+            p = jax.tree.map(jnp.copy, params0)
+            s = init(p)
+            compiled[name] = jax.jit(step, donate_argnums=(0, 1)).lower(p, s, grads).compile()
+        carries[name] = jax.block_until_ready(compiled[name](p, s, grads))
+    times = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name in variants:
+            start = time.perf_counter()
+            carry = carries[name]
+            for _ in range(args.steps):
+                carry = compiled[name](*carry, grads)
+            carries[name] = jax.block_until_ready(carry)
+            times[name].append((time.perf_counter() - start) / args.steps)
+    base = statistics.median(times["bare optax.adam"])
+    print(f"backend={jax.default_backend()} params={args.params:.0e} bare={base * 1e3:.3f} ms")
+    for name in variants:
+        print(f"| {name} | {statistics.median(times[name]) / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
