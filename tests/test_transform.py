@@ -1,0 +1,640 @@
+"""with_loss_scaling / apply_gradients / get_loss_scale / metrics / value_and_grad.
+
+Known values in the shape of optax's ``_conditionality_test.py`` (scalar params, ``sgd(1.0)``,
+scripted good / NaN / inf sequences), bit-identity of skipped steps, equality with the inner
+optimizer on finite steps, fail-closed runs, extra args, fresh buffers and tracing.
+Every step runs eagerly, under ``jit`` and under ``jit`` with the opt_state and params donated.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import loss_scaling as ls
+
+NAN, INF = float("nan"), float("inf")
+
+# Every step function below has the signature step(grads, opt_state, params, **extra_args)
+# -> (params, opt_state), so one donation pattern fits all of them.
+DONATING_JIT = functools.partial(jax.jit, donate_argnums=(1, 2))
+MAYBE_JIT = pytest.mark.parametrize(
+    "maybe_jit", [lambda f: f, jax.jit, DONATING_JIT], ids=["eager", "jit", "jit_donate"])
+EAGER_OR_DONATING_JIT = pytest.mark.parametrize(
+    "maybe_jit", [lambda f: f, DONATING_JIT], ids=["eager", "jit_donate"])
+SKIPS = pytest.mark.parametrize("skip", ["cond", "select"])
+PATHS = pytest.mark.parametrize("path", ["plain", "fused"])
+
+
+def plain_step(tx):
+    """The plain optax contract: tx.update, then optax.apply_updates outside it."""
+
+    def step(grads, opt_state, params, **extra_args):
+        updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def fused_step(tx):
+    def step(grads, opt_state, params, **extra_args):
+        return ls.apply_gradients(tx, grads, opt_state, params, **extra_args)
+
+    return step
+
+
+STEPS = {"plain": plain_step, "fused": fused_step}
+
+
+def bits(tree):
+    """Host copies of every leaf's bytes (survives donation of the device buffers)."""
+    return [np.atleast_1d(np.asarray(x)).view(np.uint8).copy() for x in jax.tree.leaves(tree)]
+
+
+def assert_bit_identical(a_bits, tree):
+    b_bits = bits(tree)
+    assert len(a_bits) == len(b_bits)
+    for a, b in zip(a_bits, b_bits, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def scaled(tree, factor, dtype=None):
+    """``tree * factor`` in float32, cast back to each leaf's dtype (what jax.grad yields)."""
+    return jax.tree.map(
+        lambda x: (jnp.asarray(x, jnp.float32) * factor).astype(dtype or jnp.asarray(x).dtype),
+        tree)
+
+
+def wrapper_counters(opt_state):
+    m = ls.metrics(opt_state)
+    return (float(m["loss_scale"]), int(m["growth_tracker"]), int(m["skipped_steps"]),
+            int(m["consecutive_skips"]), bool(m["last_step_finite"]))
+
+
+# ---------------------------------------------------------------- known values (sgd(1.0))
+
+# (true gradient, then expected: param, loss scale, growth tracker, skipped, consecutive,
+# last finite). DynamicLossScale(init_scale=4, growth_interval=2): backoff halves, the 2nd
+# consecutive clean step doubles.
+SCRIPT = [
+    (1.0, -1.0, 4.0, 1, 0, 0, True),
+    (NAN, -1.0, 2.0, 0, 1, 1, False),
+    (INF, -1.0, 1.0, 0, 2, 2, False),
+    (2.0, -3.0, 1.0, 1, 2, 0, True),
+    (3.0, -6.0, 2.0, 0, 2, 0, True),     # growth
+    (-INF, -6.0, 1.0, 0, 3, 1, False),
+    (4.0, -10.0, 1.0, 1, 3, 0, True),
+]
+
+
+@MAYBE_JIT
+@SKIPS
+@PATHS
+def test_scripted_sequence_known_values(maybe_jit, skip, path):
+    tx = ls.with_loss_scaling(
+        optax.sgd(1.0), ls.DynamicLossScale(init_scale=4.0, growth_interval=2), skip=skip)
+    params = jnp.float32(0.0)
+    opt_state = tx.init(params)
+    step = maybe_jit(STEPS[path](tx))
+    for g, want_param, *want_counters in SCRIPT:
+        factor = ls.get_loss_scale(opt_state).loss_scale
+        params, opt_state = step(jnp.float32(g) * factor, opt_state, params)
+        assert float(params) == want_param
+        assert wrapper_counters(opt_state) == tuple(want_counters)
+
+
+@EAGER_OR_DONATING_JIT
+@SKIPS
+@PATHS
+def test_adam_count_and_moments_do_not_advance_on_skips(maybe_jit, skip, path):
+    tx = ls.with_loss_scaling(optax.adam(0.1), ls.StaticLossScale(8.0), skip=skip)
+    params = jnp.array([1.0, -2.0])
+    opt_state = tx.init(params)
+    step = maybe_jit(STEPS[path](tx))
+    for g, want_count in [([1.0, 2.0], 1), ([NAN, 1.0], 1), ([1.0, INF], 1), ([3.0, 1.0], 2)]:
+        before = bits(opt_state.inner_state)
+        params, opt_state = step(jnp.array(g) * 8.0, opt_state, params)
+        assert int(opt_state.inner_state[0].count) == want_count
+        if not np.isfinite(g).all():
+            assert_bit_identical(before, opt_state.inner_state)
+
+
+@MAYBE_JIT
+@SKIPS
+def test_inject_hyperparams_schedule_does_not_advance_on_skips(maybe_jit, skip):
+    schedule = optax.linear_schedule(1.0, 0.0, transition_steps=4)
+    tx = ls.with_loss_scaling(
+        optax.inject_hyperparams(optax.sgd)(learning_rate=schedule), ls.StaticLossScale(2.0),
+        skip=skip)
+    params = jnp.float32(0.0)
+    opt_state = tx.init(params)
+    step = maybe_jit(plain_step(tx))
+    # lr: 1.0 at count 0, 0.75 at count 1, ...; skipped steps must not consume the schedule.
+    for g, want_count, want_param in [(1.0, 1, -1.0), (NAN, 1, -1.0), (INF, 1, -1.0),
+                                      (1.0, 2, -1.75), (2.0, 3, -2.75)]:
+        params, opt_state = step(jnp.float32(g) * 2.0, opt_state, params)
+        assert int(opt_state.inner_state.count) == want_count
+        assert float(params) == want_param
+
+
+# --------------------------------------------------------------- skipped steps: bit-exact
+
+
+def awkward_params(subnormals: bool):
+    """Signed zeros, extremes and infinities in float16, bfloat16 and float32.
+
+    Subnormals only where asked: XLA on CPU flushes float32/bfloat16 subnormals to zero in
+    *any* arithmetic (``p + -0.0`` included), so ``optax.apply_updates`` cannot keep them
+    on any step; the fused path returns the params untouched.
+    """
+    out = {}
+    for dtype in (jnp.float16, jnp.bfloat16, jnp.float32):
+        fi = jnp.finfo(dtype)
+        values = [0.0, -0.0, 1.0, -1.5, float(fi.max), -float(fi.max), float(fi.tiny), INF, -INF]
+        if subnormals or dtype == jnp.float16:   # float16 computes in float32: no flush
+            values += [float(fi.smallest_subnormal), -float(fi.smallest_subnormal)]
+        out[jnp.dtype(dtype).name] = jnp.array(values, dtype)
+    return out
+
+
+@MAYBE_JIT
+@SKIPS
+@PATHS
+def test_skipped_step_leaves_params_and_inner_state_bit_identical(maybe_jit, skip, path):
+    params = awkward_params(subnormals=path == "fused")
+    # adamw with weight decay updates even zero gradients: a skip must not leak through.
+    tx = ls.with_loss_scaling(optax.adamw(0.1, weight_decay=0.5), ls.DynamicLossScale(),
+                              skip=skip)
+    opt_state = tx.init(params)
+    step = maybe_jit(STEPS[path](tx))
+    # One finite step first, so the inner state is not all zeros.
+    good = jax.tree.map(lambda p: jnp.ones_like(p), params)
+    params, opt_state = step(good, opt_state, params)
+    bad = dict(good, float32=good["float32"].at[3].set(NAN),
+               float16=good["float16"].at[0].set(-INF))
+    params_bits, inner_bits = bits(params), bits(opt_state.inner_state)
+    params, opt_state = step(bad, opt_state, params)
+    assert_bit_identical(params_bits, params)
+    assert_bit_identical(inner_bits, opt_state.inner_state)
+    assert not bool(opt_state.last_step_finite)
+
+
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+@SKIPS
+def test_skipped_updates_are_negative_zeros_in_param_dtypes(maybe_jit, skip):
+    params = awkward_params(subnormals=False)
+    tx = ls.with_loss_scaling(optax.adam(0.1), skip=skip)
+    bad = jax.tree.map(lambda p: jnp.full_like(p, NAN), params)
+    updates, _ = maybe_jit(tx.update)(bad, tx.init(params), params)
+    chex.assert_trees_all_equal_dtypes(updates, params)
+    for u in jax.tree.leaves(updates):
+        assert np.all(np.signbit(np.asarray(u, np.float32))) and not np.any(u)
+
+
+# ------------------------------------------------------- long runs: never apply, fail closed
+
+
+@SKIPS
+@PATHS
+def test_fifty_non_finite_steps_never_touch_params(skip, path):
+    scaler = ls.DynamicLossScale(init_scale=2.0**15, min_scale=1.0)
+    tx = ls.with_loss_scaling(optax.adam(0.1), scaler, skip=skip)
+    params = {"w": jnp.array([1.0, -0.0, 3.0]), "h": jnp.array([0.5, 0.0], jnp.float16)}
+    opt_state = tx.init(params)
+    step = jax.jit(STEPS[path](tx), donate_argnums=(1, 2))
+    bad = {"w": jnp.array([NAN, 1.0, 1.0]), "h": jnp.array([INF, 1.0], jnp.float16)}
+    params_bits, inner_bits = bits(params), bits(opt_state.inner_state)
+    scales = []
+    for _ in range(50):
+        params, opt_state = step(bad, opt_state, params)
+        assert_bit_identical(params_bits, params)
+        scales.append(float(opt_state.scaler.loss_scale))
+    assert_bit_identical(inner_bits, opt_state.inner_state)
+    assert scales[:16] == [2.0**(14 - i) for i in range(15)] + [1.0]   # backs off, then floor
+    assert set(scales[15:]) == {1.0}
+    assert wrapper_counters(opt_state) == (1.0, 0, 50, 50, False)
+    # And the run recovers on the first finite step.
+    good = {"w": jnp.array([1.0, 1.0, 1.0]), "h": jnp.array([1.0, 1.0], jnp.float16)}
+    params, opt_state = step(good, opt_state, params)
+    assert float(params["w"][0]) < 1.0
+    assert wrapper_counters(opt_state) == (1.0, 1, 50, 0, True)
+
+
+@EAGER_OR_DONATING_JIT
+@PATHS
+def test_without_min_scale_a_non_finite_run_fails_closed(maybe_jit, path):
+    # 2**-120 reaches the smallest normal float32 (2**-126) after 6 backoffs; the 7th fails.
+    tx = ls.with_loss_scaling(optax.sgd(1.0), ls.DynamicLossScale(init_scale=2.0**-120))
+    params = jnp.array([1.0, 2.0])
+    opt_state = tx.init(params)
+    step = maybe_jit(STEPS[path](tx))
+    params_bits = bits(params)
+    steps_done = 0
+    with pytest.raises((ls.LossScaleError, jax.errors.JaxRuntimeError), match="loss scale"):
+        for _ in range(50):
+            params, opt_state = step(jnp.array([NAN, 1.0]), opt_state, params)
+            jax.block_until_ready(params)
+            assert_bit_identical(params_bits, params)   # never an update before failing
+            steps_done += 1
+    assert steps_done == 6
+
+
+@PATHS
+def test_runtime_check_off_fails_closed_silently_with_a_nan_scale(path):
+    # No host callback: the failed backoff leaves a NaN scale, and every later step (finite
+    # gradients included) reads as non-finite and is skipped. Still never an update.
+    tx = ls.with_loss_scaling(optax.sgd(1.0), ls.DynamicLossScale(init_scale=2.0**-120),
+                              runtime_check=False)
+    params = jnp.array([1.0, 2.0])
+    opt_state = tx.init(params)
+    step = jax.jit(STEPS[path](tx), donate_argnums=(1, 2))
+    params_bits = bits(params)
+    for i in range(12):
+        grads = jnp.array([NAN, 1.0]) if i < 8 else jnp.array([1.0, 1.0])
+        params, opt_state = step(grads, opt_state, params)
+        assert_bit_identical(params_bits, params)
+    assert np.isnan(float(opt_state.scaler.loss_scale))
+    assert wrapper_counters(opt_state)[2:] == (12, 12, False)
+
+
+def test_optax_apply_if_finite_applies_a_non_finite_update_we_never_do():
+    """Why this library differs: apply_if_finite gives up after N errors (fail-open)."""
+    params = jnp.array([1.0])
+    nan = jnp.array([NAN])
+
+    theirs = optax.apply_if_finite(optax.sgd(1.0), max_consecutive_errors=3)
+    state = theirs.init(params)
+    applied = []
+    for _ in range(5):
+        updates, state = theirs.update(nan, state, params)
+        applied.append(bool(np.isnan(optax.apply_updates(params, updates)).any()))
+    assert applied == [False, False, False, True, True]
+
+    ours = ls.with_loss_scaling(optax.sgd(1.0), ls.DynamicLossScale(min_scale=1.0))
+    state = ours.init(params)
+    for _ in range(5):
+        updates, state = ours.update(nan, state, params)
+        assert float(optax.apply_updates(params, updates)[0]) == 1.0
+
+
+# ------------------------------------------------------------ finite steps equal the inner
+
+INNERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw_wd": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+}
+
+
+def finite_case():
+    """float32 and float16 leaves in one tree (mixed precision, as a model holds them)."""
+    params = {"a": jnp.array([0.5, -1.0, 2.0]), "b": jnp.array([[0.25, -0.75]], jnp.float16)}
+    # Global norm of each true gradient > 1, so the clip in "clip_adam" is active.
+    true_grads = [
+        {"a": jnp.array([1.5, -0.5, 3.0]), "b": jnp.array([[2.0, -1.25]], jnp.float16)},
+        {"a": jnp.array([0.5, 0.125, -3.0]), "b": jnp.array([[1.0, 0.25]], jnp.float16)},
+        {"a": jnp.array([-2.0, 1.0, 0.75]), "b": jnp.array([[0.5, 4.0]], jnp.float16)},
+    ]
+    return params, true_grads
+
+
+# Every (skip, path) pair with adam; two per other inner (compiles are the test's cost).
+ALL_PAIRS = [("cond", "plain"), ("cond", "fused"), ("select", "plain"), ("select", "fused")]
+FINITE_CASES = {
+    "adam-jit_donate": ("adam", DONATING_JIT, ALL_PAIRS),
+    "adamw_wd-jit_donate": ("adamw_wd", DONATING_JIT, [("cond", "plain"), ("select", "fused")]),
+    "sgd_momentum-jit_donate": ("sgd_momentum", DONATING_JIT,
+                                [("select", "plain"), ("cond", "fused")]),
+    "clip_adam-jit_donate": ("clip_adam", DONATING_JIT, [("cond", "plain"), ("cond", "fused")]),
+    "adam-eager": ("adam", lambda f: f, [("cond", "plain"), ("cond", "fused")]),
+}
+
+
+@pytest.mark.parametrize("case", FINITE_CASES)
+def test_finite_steps_equal_inner_on_true_gradients(case):
+    inner_name, maybe_jit, pairs = FINITE_CASES[case]
+    factor = 2.0**12
+    params, true_grads = finite_case()
+    inner = INNERS[inner_name]()
+    ref_params, ref_state = params, inner.init(params)
+    runs = {}
+    for skip, path in pairs:
+        tx = ls.with_loss_scaling(inner, ls.StaticLossScale(factor), skip=skip)
+        own = jax.tree.map(jnp.copy, params)      # each run donates its own buffers
+        runs[skip, path] = (maybe_jit(STEPS[path](tx)), tx.init(own), own)
+    for grads in true_grads:
+        updates, ref_state = inner.update(grads, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, updates)
+        for key, (step, opt_state, p) in runs.items():
+            p, opt_state = step(scaled(grads, factor), opt_state, p)
+            runs[key] = (step, opt_state, p)
+            chex.assert_trees_all_equal_dtypes(p, ref_params)
+            chex.assert_trees_all_close(p, ref_params, rtol=1e-6, atol=1e-7)
+            chex.assert_trees_all_close(opt_state.inner_state, ref_state, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+@SKIPS
+@PATHS
+def test_clipping_inside_the_inner_chain_sees_true_gradients(maybe_jit, skip, path):
+    factor = 2.0**10
+    params = jnp.zeros(2)
+    true_grads = jnp.array([3.0, 4.0])         # global norm 5 > 1
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
+    tx = ls.with_loss_scaling(inner, ls.StaticLossScale(factor), skip=skip)
+    new_params, _ = maybe_jit(STEPS[path](tx))(true_grads * factor, tx.init(params), params)
+    # Clipped to norm 1: -[0.6, 0.8]. Clipping the scaled grads would give a norm of 1/1024.
+    chex.assert_trees_all_close(new_params, jnp.array([-0.6, -0.8]), rtol=1e-6)
+    ref_updates, _ = inner.update(true_grads, inner.init(params), params)
+    chex.assert_trees_all_close(new_params, ref_updates, rtol=1e-6)
+
+
+# -------------------------------------------------------------------------- extra args
+
+
+def scale_by_value():
+    """A transformation that *requires* an extra arg: multiplies the updates by ``value``."""
+
+    def init_fn(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros((), jnp.int32))
+
+    def update_fn(updates, state, params=None, *, value):
+        del params
+        updates = jax.tree.map(lambda u: u * value, updates)
+        return updates, optax.ScaleByScheduleState(count=state.count + 1)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+@EAGER_OR_DONATING_JIT
+@SKIPS
+@PATHS
+def test_extra_args_reach_the_inner_transformation(maybe_jit, skip, path):
+    tx = ls.with_loss_scaling(optax.chain(optax.sgd(1.0), scale_by_value()),
+                              ls.StaticLossScale(4.0), skip=skip)
+    params = jnp.array([1.0, 2.0])
+    opt_state = tx.init(params)
+    step = maybe_jit(STEPS[path](tx))
+    params, opt_state = step(jnp.array([4.0, 8.0]), opt_state, params, value=jnp.float32(3.0))
+    chex.assert_trees_all_close(params, jnp.array([-2.0, -4.0]))
+    params, opt_state = step(jnp.array([NAN, 8.0]), opt_state, params, value=jnp.float32(3.0))
+    chex.assert_trees_all_close(params, jnp.array([-2.0, -4.0]))
+    assert int(opt_state.inner_state[1].count) == 1
+
+
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_reduce_on_plateau_receives_value_and_is_frozen_by_skips(maybe_jit):
+    plateau = optax.contrib.reduce_on_plateau(patience=1, factor=0.5, cooldown=0)
+    tx = ls.with_loss_scaling(optax.chain(optax.sgd(1.0), plateau), ls.StaticLossScale(2.0))
+    params = jnp.float32(0.0)
+    opt_state = tx.init(params)
+    update = maybe_jit(tx.update)
+    _, opt_state = update(jnp.float32(2.0), opt_state, params, value=jnp.float32(5.0))
+    assert float(opt_state.inner_state[1].best_value) == 5.0
+    before = bits(opt_state.inner_state)
+    _, opt_state = update(jnp.float32(NAN), opt_state, params, value=jnp.float32(1.0))
+    assert_bit_identical(before, opt_state.inner_state)
+    _, opt_state = update(jnp.float32(2.0), opt_state, params, value=jnp.float32(2.0))
+    assert float(opt_state.inner_state[1].best_value) == 2.0
+
+
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_params_by_keyword_and_omitted(maybe_jit):
+    # MultiSteps passes params by keyword; sgd needs no params at all.
+    params = jnp.array([1.0, 2.0])
+    tx = ls.with_loss_scaling(optax.adamw(0.1, weight_decay=0.5), ls.StaticLossScale(2.0))
+    by_position = maybe_jit(tx.update)(jnp.array([2.0, 2.0]), tx.init(params), params)
+    by_keyword = maybe_jit(tx.update)(jnp.array([2.0, 2.0]), tx.init(params), params=params)
+    chex.assert_trees_all_equal(by_position, by_keyword)
+    sgd = ls.with_loss_scaling(optax.sgd(1.0), ls.StaticLossScale(2.0))
+    updates, _ = maybe_jit(sgd.update)(jnp.array([2.0, 2.0]), sgd.init(params))
+    chex.assert_trees_all_equal(updates, jnp.array([-1.0, -1.0]))
+
+
+# ------------------------------------------------------------- state: buffers, traces, dtypes
+
+
+@pytest.mark.parametrize(
+    "scaler", [ls.DynamicLossScale(init_scale=8.0), ls.StaticLossScale(8.0)],
+    ids=["dynamic", "static"])
+@PATHS
+def test_init_hands_out_fresh_buffers_that_survive_donation(scaler, path):
+    tx = ls.with_loss_scaling(optax.adam(0.1), scaler)
+    params = jnp.array([1.0, 2.0])
+    opt_state = tx.init(params)
+    for mine, theirs in zip(jax.tree.leaves(opt_state.scaler), jax.tree.leaves(scaler),
+                            strict=True):
+        assert mine is not theirs
+    step = jax.jit(STEPS[path](tx), donate_argnums=(1, 2))
+    params, opt_state = step(jnp.array([NAN, 1.0]), opt_state, params)
+    params, opt_state = step(jnp.array([1.0, 1.0]), opt_state, params)
+    assert float(scaler.loss_scale) == 8.0                  # the caller's scaler is intact
+    again = tx.init(jnp.array([1.0, 2.0]))                    # and init still works
+    assert float(again.scaler.loss_scale) == 8.0
+    params, again = step(jnp.array([1.0, 1.0]), again, jnp.array([1.0, 2.0]))
+    assert bool(again.last_step_finite)
+
+
+def state_dtypes(opt_state):
+    return jax.tree.map(lambda x: jnp.asarray(x).dtype, opt_state)
+
+
+@SKIPS
+@PATHS
+def test_no_retrace_and_stable_dtypes_across_steps(skip, path):
+    tx = ls.with_loss_scaling(optax.adam(0.1), ls.DynamicLossScale(growth_interval=1),
+                              skip=skip)
+    params = {"w": jnp.ones(3, jnp.float16), "b": jnp.zeros(2)}
+    opt_state = tx.init(params)
+    wrapper_dtypes = state_dtypes(opt_state._replace(inner_state=None))
+    assert set(jax.tree.leaves(wrapper_dtypes)) == {
+        jnp.dtype(jnp.float32), jnp.dtype(jnp.int32), jnp.dtype(jnp.bool_)}
+    assert opt_state.skipped_steps.dtype == jnp.int32
+    assert opt_state.last_step_finite.dtype == jnp.bool_
+    first_dtypes = state_dtypes(opt_state)
+    first_structure = jax.tree.structure(opt_state)
+    chex.clear_trace_counter()
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(grads, opt_state, params):
+        return STEPS[path](tx)(grads, opt_state, params)
+
+    good = jax.tree.map(jnp.ones_like, params)
+    bad = dict(good, b=jnp.array([INF, 0.0]))
+    for grads in (good, bad, good, good, bad):
+        params, opt_state = step(grads, opt_state, params)
+        assert jax.tree.leaves(state_dtypes(opt_state)) == jax.tree.leaves(first_dtypes)
+        assert jax.tree.structure(opt_state) == first_structure
+        chex.assert_trees_all_equal_dtypes(params, {"w": jnp.ones(3, jnp.float16),
+                                                    "b": jnp.zeros(2)})
+
+
+def test_eval_shape_init_and_tree_map_to_none():
+    tx = ls.with_loss_scaling(optax.adam(0.1), ls.DynamicLossScale(hysteresis=2, min_scale=4.0))
+    params = {"w": jnp.ones(3, jnp.float16)}
+    shapes = jax.eval_shape(tx.init, params)
+    concrete = tx.init(params)
+    assert jax.tree.structure(shapes) == jax.tree.structure(concrete)
+    chex.assert_trees_all_equal_shapes_and_dtypes(shapes, concrete)
+    assert shapes.scaler.min_scale == 4.0 and shapes.scaler.hysteresis == 2
+    nones = jax.tree.map(lambda _: None, concrete)
+    assert isinstance(nones, ls.LossScalingState)
+    assert nones.scaler.hysteresis == 2 and nones.skipped_steps is None
+    # And back: None -> arrays rebuilds the same state.
+    rebuilt = jax.tree.unflatten(jax.tree.structure(concrete), jax.tree.leaves(concrete))
+    chex.assert_trees_all_equal(rebuilt, concrete)
+
+
+# ------------------------------------------------------------------------- metrics
+
+
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "scaler, tracker", [(ls.DynamicLossScale(init_scale=16.0), 1),
+                        (ls.StaticLossScale(16.0), 0), (ls.NoOpLossScale(), 0)],
+    ids=["dynamic", "static", "noop"])
+def test_metrics_are_arrays_with_documented_keys(maybe_jit, scaler, tracker):
+    tx = ls.with_loss_scaling(optax.sgd(1.0), scaler)
+    params = jnp.zeros(2)
+    opt_state = tx.init(params)
+    _, opt_state = tx.update(jnp.ones(2), opt_state, params)
+    _, opt_state = tx.update(jnp.array([NAN, 1.0]), opt_state, params)
+    _, opt_state = tx.update(jnp.ones(2), opt_state, params)
+    m = maybe_jit(ls.metrics)(opt_state)
+    assert set(m) == {"loss_scale", "growth_tracker", "skipped_steps", "consecutive_skips",
+                      "last_step_finite"}
+    for value in m.values():
+        assert isinstance(value, jax.Array) and value.shape == ()
+    assert {k: v.dtype for k, v in m.items()} == {
+        "loss_scale": jnp.float32, "growth_tracker": jnp.int32, "skipped_steps": jnp.int32,
+        "consecutive_skips": jnp.int32, "last_step_finite": jnp.bool_}
+    want_scale = 8.0 if isinstance(scaler, ls.DynamicLossScale) else float(scaler.loss_scale)
+    assert wrapper_counters(opt_state) == (want_scale, tracker, 1, 0, True)
+
+
+def test_metrics_is_pure_reads_with_no_host_callback():
+    opt_state = optax.chain(optax.clip(1.0), ls.with_loss_scaling(optax.sgd(1.0))).init(
+        jnp.zeros(2))
+    jaxpr = jax.make_jaxpr(ls.metrics)(opt_state)
+    # Only a zeros-free read of existing leaves: no callback, no transfer, no computation.
+    assert not [e for e in jaxpr.eqns if "callback" in e.primitive.name]
+    assert len(jaxpr.eqns) == 0
+
+
+# ------------------------------------------------------------------ counters saturate
+
+
+def test_counters_saturate_instead_of_wrapping():
+    tx = ls.with_loss_scaling(optax.sgd(1.0), ls.DynamicLossScale(min_scale=1.0))
+    params = jnp.zeros(1)
+    top = jnp.iinfo(jnp.int32).max
+    opt_state = tx.init(params)._replace(skipped_steps=jnp.int32(top),
+                                         consecutive_skips=jnp.int32(top))
+    _, opt_state = jax.jit(tx.update)(jnp.array([NAN]), opt_state, params)
+    assert int(opt_state.skipped_steps) == top and int(opt_state.consecutive_skips) == top
+
+
+# ----------------------------------------------------------------------- value_and_grad
+
+
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+@pytest.mark.parametrize("holder", ["scaler", "opt_state", "chain_state"])
+def test_value_and_grad_returns_unscaled_loss_and_scaled_grads(maybe_jit, holder):
+    scaler = ls.DynamicLossScale(init_scale=2.0**10)
+    tx = ls.with_loss_scaling(optax.sgd(1.0), scaler)
+    w = jnp.array([1.0, -2.0])
+    source = {"scaler": scaler, "opt_state": tx.init(w),
+              "chain_state": optax.chain(optax.clip(1.0), tx).init(w)}[holder]
+
+    def loss_fn(w, x):
+        return jnp.sum((w * x) ** 2)
+
+    x = jnp.array([0.5, 3.0])
+    loss, grads = maybe_jit(ls.value_and_grad(loss_fn))(source, w, x)
+    true_loss, true_grads = jax.value_and_grad(loss_fn)(w, x)
+    assert loss.dtype == jnp.float32 and float(loss) == float(true_loss)
+    chex.assert_trees_all_equal(grads, true_grads * 2.0**10)
+
+
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_value_and_grad_argnums_has_aux_and_float16(maybe_jit):
+    s = ls.StaticLossScale(2.0**8)
+
+    def loss_fn(a, b, *, c):
+        loss = jnp.sum(a * b * c).astype(jnp.float16)
+        return loss, {"pred": a * b}
+
+    a = jnp.array([1.0, 2.0], jnp.float16)
+    b = jnp.array([3.0, -1.0], jnp.float16)
+    grad_fn = maybe_jit(ls.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True))
+    (loss, aux), (ga, gb) = grad_fn(s, a, b, c=jnp.float16(2.0))
+    assert loss.dtype == jnp.float16 and float(loss) == 2.0   # unscaled, its own dtype
+    chex.assert_trees_all_equal(aux, {"pred": a * b})
+    assert ga.dtype == gb.dtype == jnp.float16
+    # d/da = b*c, d/db = a*c, times 256; 8 * 256 would be fine in float16 too.
+    chex.assert_trees_all_equal(ga, (b * 2 * 256).astype(jnp.float16))
+    chex.assert_trees_all_equal(gb, (a * 2 * 256).astype(jnp.float16))
+
+
+def test_value_and_grad_then_update_is_a_full_unscaled_step():
+    tx = ls.with_loss_scaling(optax.sgd(0.5), ls.DynamicLossScale(init_scale=2.0**14))
+    w = jnp.array([1.0, 2.0])
+    opt_state = tx.init(w)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(w, opt_state):
+        loss, grads = ls.value_and_grad(lambda w: jnp.sum(w**2))(opt_state, w)
+        w, opt_state = ls.apply_gradients(tx, grads, opt_state, w)
+        return w, opt_state, loss
+
+    w, opt_state, loss = train_step(w, opt_state)
+    assert float(loss) == 5.0
+    chex.assert_trees_all_equal(w, jnp.array([0.0, 0.0]))
+
+
+# ---------------------------------------------------------------- argument validation
+
+
+@pytest.mark.parametrize("skip", ["Cond", "where", None, 1])
+def test_bad_skip_is_a_value_error_naming_skip(skip):
+    with pytest.raises(ValueError, match="skip") as info:
+        ls.with_loss_scaling(optax.sgd(1.0), skip=skip)
+    assert repr(skip) in str(info.value)
+
+
+@pytest.mark.parametrize("scaler", [2.0**15, "dynamic", {"loss_scale": 1.0}, optax.sgd(1.0)],
+                         ids=["float", "str", "dict", "optimizer"])
+def test_bad_scaler_is_a_type_error_naming_scaler(scaler):
+    with pytest.raises(TypeError, match="scaler"):
+        ls.with_loss_scaling(optax.sgd(1.0), scaler)
+
+
+def test_default_scaler_and_auto_skip():
+    tx = ls.with_loss_scaling(optax.sgd(1.0))
+    opt_state = tx.init(jnp.zeros(2))
+    assert isinstance(opt_state.scaler, ls.DynamicLossScale)
+    assert float(opt_state.scaler.loss_scale) == 2.0**15
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    assert tx.core.skip in ("cond", "select")
+
+
+def test_apply_gradients_falls_back_for_other_transformations():
+    params = jnp.array([1.0, 2.0])
+    tx = optax.sgd(1.0)
+    new_params, _ = ls.apply_gradients(tx, jnp.array([1.0, 1.0]), tx.init(params), params)
+    chex.assert_trees_all_equal(new_params, jnp.array([0.0, 1.0]))
+    # A wrapper nested in a chain: the fallback still skips via tx.update.
+    chained = optax.chain(ls.with_loss_scaling(optax.sgd(1.0), ls.StaticLossScale(2.0)))
+    new_params, state = ls.apply_gradients(chained, jnp.array([NAN, 1.0]),
+                                           chained.init(params), params)
+    chex.assert_trees_all_equal(new_params, params)
+    assert int(ls.metrics(state)["skipped_steps"]) == 1
