@@ -11,7 +11,16 @@ from loss_scaling.scalers import (
     LossScale,
     NoOpLossScale,
     StaticLossScale,
+    loss_scale_for,
     update,
+)
+from loss_scaling.serialization import (
+    FORMAT_VERSION,
+    check_same_config,
+    from_state_dict,
+    restore_loss_scale,
+    restore_with_config,
+    state_dict,
 )
 from loss_scaling.train_state import TrainState
 from loss_scaling.transform import (
@@ -29,6 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DynamicLossScale",
+    "FORMAT_VERSION",
     "LossScale",
     "LossScaleError",
     "LossScalingState",
@@ -38,9 +48,15 @@ __all__ = [
     "TrainState",
     "all_finite",
     "apply_gradients",
+    "check_same_config",
+    "from_state_dict",
     "get_loss_scale",
+    "loss_scale_for",
     "metrics",
+    "restore_loss_scale",
+    "restore_with_config",
     "scale",
+    "state_dict",
     "unscale",
     "update",
     "value_and_grad",

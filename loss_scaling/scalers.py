@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import operator
-from typing import Any, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,7 @@ from loss_scaling import _errors
 __all__ = [
     "DynamicLossScale",
     "LossScale",
+    "loss_scale_for",
     "NoOpLossScale",
     "StaticLossScale",
     "update",
@@ -287,13 +288,14 @@ class DynamicLossScale:
         """Rebuilds a state without validation (unflatten, serialization after checks)."""
         self = object.__new__(cls)
         object.__setattr__(self, "config", config)
-        for name, leaf in zip(("loss_scale", "growth_tracker", "nonfinite_tracker"), leaves):
+        for name, leaf in zip(_DYNAMIC_LEAVES, leaves, strict=True):
             object.__setattr__(self, name, leaf)
         return self
 
     growth_factor = property(lambda self: self.config.growth_factor, doc="Growth multiplier.")
     backoff_factor = property(lambda self: self.config.backoff_factor, doc="Backoff multiplier.")
-    growth_interval = property(lambda self: self.config.growth_interval, doc="Clean steps per growth.")
+    growth_interval = property(lambda self: self.config.growth_interval,
+                               doc="Clean steps per growth.")
     hysteresis = property(lambda self: self.config.hysteresis, doc="Non-finite steps per backoff.")
     min_scale = property(lambda self: self.config.min_scale, doc="Backoff floor, or None.")
     max_scale = property(lambda self: self.config.max_scale, doc="Growth ceiling, or None.")
@@ -306,7 +308,7 @@ class DynamicLossScale:
                 f"nonfinite_tracker={self.nonfinite_tracker!r}, {fields})")
 
 
-LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 """Any of the three loss-scale states."""
 
 
@@ -327,8 +329,46 @@ def validate_dynamic_config(
     if config.min_scale is not None and config.min_scale > init:
         raise ValueError(f"min_scale ({min_scale!r}) must not exceed init_scale ({init_scale!r}).")
     if config.max_scale is not None and config.max_scale < init:
-        raise ValueError(f"max_scale ({max_scale!r}) must not be below init_scale ({init_scale!r}).")
+        raise ValueError(
+            f"max_scale ({max_scale!r}) must not be below init_scale ({init_scale!r}).")
     return config, init
+
+
+def loss_scale_for(compute_dtype: Any, **dynamic_options: Any) -> LossScale:
+    """The loss scale a compute dtype needs, so one flag switches float16 / bfloat16.
+
+    float16's narrow exponent range needs dynamic scaling; bfloat16, float32 and float64
+    share float32's range and need none: they get :class:`NoOpLossScale`, which adds no
+    operation to a compiled step.
+
+    Args:
+      compute_dtype: the dtype the model computes in (anything ``jnp.dtype`` accepts).
+      **dynamic_options: :class:`DynamicLossScale` arguments, used for float16 only.
+
+    Returns:
+      ``DynamicLossScale(**dynamic_options)`` for float16, else ``NoOpLossScale()``.
+
+    Raises:
+      ValueError: if ``compute_dtype`` is not a floating dtype.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import loss_scaling as ls
+      >>> ls.loss_scale_for(jnp.bfloat16)
+      NoOpLossScale()
+      >>> float(ls.loss_scale_for("float16", init_scale=1024.0).loss_scale)
+      1024.0
+    """
+    try:
+        dtype = jnp.dtype(compute_dtype)
+    except TypeError:
+        raise ValueError(
+            f"compute_dtype must be a floating dtype, got {show(compute_dtype)}.") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"compute_dtype must be a floating dtype, got {show(compute_dtype)}.")
+    if jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp:  # float16 and narrower
+        return DynamicLossScale(**dynamic_options)
+    return NoOpLossScale()
 
 
 # ------------------------------------------------------------------ pytree registration
@@ -362,6 +402,24 @@ jax.tree_util.register_pytree_with_keys(
     lambda config, children: DynamicLossScale._from_parts(config, tuple(children)),
     flatten_func=lambda s: (tuple(getattr(s, n) for n in _DYNAMIC_LEAVES), s.config),
 )
+
+
+def _rebuild(cls: type, aux: Any, children: tuple[Any, ...]) -> Any:
+    """Unpickling: unflatten (no validation, like every unflatten) the pickled parts."""
+    if cls is NoOpLossScale:
+        return object.__new__(NoOpLossScale)
+    if cls is StaticLossScale:
+        return _static_unflatten(None, children)
+    return DynamicLossScale._from_parts(aux, children)
+
+
+def _reduce(self: Any) -> tuple[Any, ...]:
+    children, aux = jax.tree_util.tree_flatten(self)[0], getattr(self, "config", None)
+    return (_rebuild, (type(self), aux, tuple(children)))
+
+
+for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
+    _cls.__reduce__ = _reduce  # type: ignore[method-assign]
 
 
 # ------------------------------------------------------------------------------ update

@@ -17,7 +17,8 @@ README's benchmark table).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, NamedTuple
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -287,7 +288,7 @@ def apply_gradients(
     """
     core = getattr(tx, "core", None)
     if not isinstance(core, _Core) or not isinstance(opt_state, LossScalingState):
-        updates, opt_state = tx.update(grads, opt_state, params, **extra_args)  # type: ignore[call-arg]
+        updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
         return optax.apply_updates(params, updates), opt_state
 
     scaler_now = opt_state.scaler

@@ -10,7 +10,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from loss_scaling.scalers import DynamicLossScale, LossScale, NoOpLossScale, Sta
 
 __all__ = ["all_finite", "scale", "unscale"]
 
-AxisName = Union[str, Sequence[str], None]
+AxisName = str | Sequence[str] | None
 
 
 def _is_floating(x: Any) -> bool:

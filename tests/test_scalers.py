@@ -673,3 +673,63 @@ def test_jitted_check_survives_when_the_result_is_unused():
 
     with pytest.raises(jax.errors.JaxRuntimeError, match="loss scale"):
         jax.block_until_ready(step(ls.DynamicLossScale(init_scale=TINY), jnp.asarray(False)))
+
+
+# ------------------------------------------------------------------ pickling, dtype switch
+
+
+@pytest.mark.parametrize("s", all_kinds(), ids=KIND_IDS)
+def test_pickle_and_deepcopy_round_trip(s):
+    import copy
+    import pickle
+
+    for restored in (pickle.loads(pickle.dumps(s)), copy.deepcopy(s)):
+        assert type(restored) is type(s)
+        assert getattr(restored, "config", None) == getattr(s, "config", None)
+        chex.assert_trees_all_equal(restored, s)
+        chex.assert_trees_all_equal_dtypes(restored, s)
+
+
+@pytest.mark.parametrize(
+    "dtype, kind",
+    [(jnp.float16, ls.DynamicLossScale), ("float16", ls.DynamicLossScale),
+     (jnp.bfloat16, ls.NoOpLossScale), (jnp.float32, ls.NoOpLossScale),
+     (np.float64, ls.NoOpLossScale)],
+)
+def test_loss_scale_for_compute_dtype(dtype, kind):
+    assert type(ls.loss_scale_for(dtype)) is kind
+
+
+def test_loss_scale_for_passes_options_to_float16_only():
+    s = ls.loss_scale_for(jnp.float16, init_scale=256.0, growth_interval=7)
+    assert float(s.loss_scale) == 256.0 and s.growth_interval == 7
+    assert isinstance(ls.loss_scale_for(jnp.bfloat16, init_scale=256.0), ls.NoOpLossScale)
+
+
+@pytest.mark.parametrize("bad", [jnp.int32, "int8", "not-a-dtype", bool])
+def test_loss_scale_for_refuses_non_floating_dtypes(bad):
+    with pytest.raises(ValueError, match="compute_dtype"):
+        ls.loss_scale_for(bad)
+
+
+@MAYBE_JIT
+def test_noop_train_step_compiles_to_the_bare_step(maybe_jit):
+    """The bf16/f32 switch: a step written with scale/unscale/update and the NoOp scale
+    lowers to exactly the HLO of the same step written without them."""
+    scaler = ls.loss_scale_for(jnp.bfloat16)
+    loss_fn = lambda w, x: jnp.sum((x @ w) ** 2)  # noqa: E731
+
+    def with_scaling(w, x, s):
+        grads = jax.grad(lambda w: ls.scale(s, loss_fn(w, x)))(w)
+        grads = ls.unscale(s, grads)
+        return w - 0.1 * grads, ls.update(s, jnp.asarray(True))
+
+    def without(w, x, s):
+        return w - 0.1 * jax.grad(loss_fn)(w, x), s
+
+    w, x = jnp.ones((4, 3), jnp.bfloat16), jnp.ones((2, 4), jnp.bfloat16)
+    hlo = [jax.jit(f).lower(w, x, scaler).as_text() for f in (with_scaling, without)]
+    count = lambda text: len([ln for ln in text.splitlines() if " = " in ln])  # noqa: E731
+    assert count(hlo[0]) == count(hlo[1])
+    chex.assert_trees_all_equal(maybe_jit(with_scaling)(w, x, scaler)[0],
+                                maybe_jit(without)(w, x, scaler)[0])
