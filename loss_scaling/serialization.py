@@ -31,6 +31,7 @@ import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from loss_scaling.scalers import (
     DynamicConfig,
@@ -42,11 +43,13 @@ from loss_scaling.scalers import (
     positive_normal_float32,
     validate_dynamic_config,
 )
+from loss_scaling.transform import LossScalingState
 
 __all__ = [
     "FORMAT_VERSION",
     "check_same_config",
     "from_state_dict",
+    "restore_loss_scale",
     "restore_with_config",
     "state_dict",
 ]
@@ -76,8 +79,9 @@ _INT64_BOUND = 2**63
 _INVALID = "invalid loss-scale state dict: "
 _USE_RESTORE_WITH_CONFIG = (
     "To keep the saved loss scale and counters under the target's configuration, use "
-    "`loss_scaling.serialization.restore_with_config(saved, target)`; to keep the saved "
-    "configuration, restore with `from_state_dict(saved)` alone."
+    "`loss_scaling.restore_with_config(saved, target)` (on a whole optimizer state or "
+    "TrainState: `loss_scaling.restore_loss_scale(state, saved, adopt_config=True)`); to "
+    "keep the saved configuration, build the optimizer with it."
 )
 
 _repr = reprlib.Repr()
@@ -524,6 +528,119 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
         "growth_tracker": min(values["growth_tracker"], config.growth_interval - 1),
         "nonfinite_tracker": min(values["nonfinite_tracker"], config.hysteresis),
     })
+
+
+# ------------------------------------------------------------- inside optimizer states
+
+
+def restore_loss_scale(
+    state: Any,
+    saved: LossScale | Mapping[str, Any],
+    *,
+    adopt_config: bool = False,
+    path: str | None = None,
+) -> Any:
+    """``state`` with its loss scale replaced by the saved one: the last step of a resume.
+
+    Orbax (and any array checkpoint) stores the loss scale's *values* but not its
+    configuration, which comes from the restore target: a resumed run built with a new
+    ``growth_interval`` would silently run under it. Save :func:`state_dict` next to the
+    arrays and pass it here after restoring. By default a configuration that differs
+    from the saved one is an error (:func:`check_same_config`); ``adopt_config=True``
+    keeps the saved scale and counters under ``state``'s configuration
+    (:func:`restore_with_config`).
+
+    Args:
+      state: an optax state holding one :func:`~loss_scaling.with_loss_scaling` state
+        (however nested), or a flax ``TrainState``; typically just restored from an
+        array checkpoint into the freshly built optimizer's abstract state.
+      saved: the saved loss scale: a dict from :func:`state_dict` (validated) or a
+        loss-scale state.
+      adopt_config: keep ``state``'s configuration instead of requiring the saved one.
+      path: which loss scale, when ``state`` holds several (as for
+        :func:`~loss_scaling.get_loss_scale`).
+
+    Returns:
+      A new state of the same structure; only the loss scale's leaves are new (each
+      placed with the sharding of the leaf it replaces).
+
+    Raises:
+      ValueError: if the configurations differ (unless ``adopt_config``), if ``saved``
+        is invalid or of another kind, or if ``state`` holds no loss scale (or several
+        and ``path`` picks none).
+      TypeError: for a ``flax.nnx`` optimizer (its state is mutable: assign the result
+        of :func:`restore_with_config` to its variables instead).
+
+    Examples:
+      >>> import json, jax.numpy as jnp, optax
+      >>> import loss_scaling as ls
+      >>> def make_tx(growth_interval):
+      ...     scaler = ls.DynamicLossScale(init_scale=256.0, growth_interval=growth_interval)
+      ...     return ls.with_loss_scaling(optax.sgd(0.1), scaler)
+      >>> params = jnp.zeros(2)
+      >>> opt_state = make_tx(10).update(jnp.ones(2), make_tx(10).init(params), params)[1]
+      >>> saved = json.loads(json.dumps(ls.state_dict(ls.get_loss_scale(opt_state))))
+      >>> fresh = make_tx(100).init(params)          # resumed with a new growth_interval
+      >>> ls.restore_loss_scale(fresh, saved)
+      Traceback (most recent call last):
+      ...
+      ValueError: the saved loss-scale configuration differs from the target's: ...
+      >>> s = ls.get_loss_scale(ls.restore_loss_scale(fresh, saved, adopt_config=True))
+      >>> float(s.loss_scale), int(s.growth_tracker), s.growth_interval
+      (256.0, 1, 100)
+    """
+    from flax import nnx  # imported here, as in transform: nnx is slow to import
+
+    def is_variable(x: Any) -> bool:
+        return isinstance(x, nnx.Variable)
+
+    if isinstance(state, nnx.Optimizer) or any(
+            map(is_variable, jax.tree.leaves(state, is_leaf=is_variable))):
+        raise TypeError(
+            "restore_loss_scale takes an optax state or a flax TrainState, not a flax.nnx "
+            "optimizer or its variables: compute the scaler with "
+            "`restore_with_config(saved, ls.get_loss_scale(optimizer))` (after "
+            "`check_same_config`) and assign its leaves to the optimizer's variables.")
+    import loss_scaling  # for get_loss_scale, whichever module defines it
+
+    target = loss_scaling.get_loss_scale(state, path)  # clear errors for none or several
+    if adopt_config:
+        new = restore_with_config(saved, target)
+    else:
+        check_same_config(saved, target)
+        new = from_state_dict(saved if isinstance(saved, Mapping) else state_dict(saved))
+    target_leaves = jax.tree.leaves(target)
+    if not target_leaves:  # a NoOpLossScale: nothing to restore
+        return state
+
+    # get_loss_scale returns the state's own leaves: they identify the wrapper to replace.
+    def is_target(_: Any, node: Any) -> bool:
+        leaves = jax.tree.leaves(node.scaler) if isinstance(node, LossScalingState) else []
+        return len(leaves) == len(target_leaves) and all(
+            a is b for a, b in zip(leaves, target_leaves, strict=True))
+
+    found = optax.tree_utils.tree_get_all_with_path(
+        state, LossScalingState.__name__, filtering=is_target)
+    if len(found) != 1:
+        raise ValueError(
+            f"restore_loss_scale found {len(found)} loss-scale states holding the arrays of "
+            "the one `get_loss_scale(state, path)` picks; it replaces exactly one: give "
+            "each loss scale its own arrays.")
+
+    def place(new_leaf: jax.Array, old_leaf: Any) -> Any:
+        sharding = getattr(old_leaf, "sharding", None)
+        return new_leaf if sharding is None else jax.device_put(new_leaf, sharding)
+
+    new = jax.tree.map(place, new, target)
+    out = optax.tree_utils.tree_set(
+        state, is_target, LossScalingState=found[0][1]._replace(scaler=new))
+    if any(a is not b for a, b in zip(jax.tree.leaves(loss_scaling.get_loss_scale(out, path)),
+                                      jax.tree.leaves(new), strict=True)):
+        # optax.tree_utils.tree_set does not reach a wrapper inside another's inner state.
+        raise ValueError(
+            "restore_loss_scale cannot replace a loss scale nested inside another "
+            "with_loss_scaling's inner state.")
+    return out
 
 
 # ------------------------------------------------------------------ flax.serialization

@@ -1,0 +1,525 @@
+"""Checkpoints and resume: Orbax and flax.serialization round trips, config changes, resume.
+
+Orbax stores the loss scale's *values* (leaves); its configuration (``growth_interval`` etc.)
+is static pytree data and comes from the restore target. The README's recipe (executed here
+verbatim) therefore saves ``ls.state_dict`` as JSON next to the arrays and checks it on restore
+with ``ls.restore_loss_scale``: a changed configuration is an error unless adopted explicitly.
+
+Run as a script (``python tests/test_checkpoint.py DIR``), this file is the fresh process of
+the resume test: it rebuilds every run from scratch, restores the checkpoints the test wrote
+under DIR, finishes the runs and dumps their final states for the test to compare with the
+uninterrupted runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax.training import train_state
+
+import loss_scaling as ls
+
+INF = float("inf")
+README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+# The README's recipe ("Checkpoints and resume"), kept identical to README.md: the tests
+# below run these very functions.
+SAVE_RESTORE_SNIPPET = '''\
+import jax
+import orbax.checkpoint as ocp
+
+import loss_scaling as ls
+
+
+def save(mngr, step, state):
+    """`state`: any pytree holding one loss scale (a TrainState, {"params", "opt_state"}...)."""
+    mngr.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        # Orbax keeps the loss scale's values, not its configuration: save that as JSON too.
+        loss_scale=ocp.args.JsonSave(ls.state_dict(ls.get_loss_scale(state))),
+    ))
+
+
+def restore(mngr, abstract_state, adopt_config=False):
+    """`abstract_state`: e.g. `jax.eval_shape(make_state)`, built from scratch on resume."""
+    restored = mngr.restore(mngr.latest_step(), args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state),
+        loss_scale=ocp.args.JsonRestore(),
+    ))
+    # The configuration comes from `abstract_state`. If it differs from the saved one this
+    # raises a ValueError, unless adopt_config=True: keep the saved scale and counters
+    # under the new configuration.
+    return ls.restore_loss_scale(restored.state, restored.loss_scale, adopt_config=adopt_config)
+'''
+
+USAGE_SNIPPET = '''\
+import pathlib
+
+import jax.numpy as jnp
+import optax
+
+
+def make_state(growth_interval=1000):  # on resume, everything is rebuilt from scratch
+    scaler = ls.DynamicLossScale(growth_interval=growth_interval)
+    tx = ls.with_loss_scaling(optax.adamw(1e-3), scaler)
+    return ls.TrainState.create(apply_fn=None, params={"w": jnp.ones((4, 1))}, tx=tx)
+
+
+state = make_state()
+state = state.apply_gradients(grads={"w": jnp.full((4, 1), jnp.inf)})  # skipped: scale 16384
+
+with ocp.CheckpointManager(pathlib.Path("checkpoints").absolute()) as mngr:
+    save(mngr, int(state.step), state)
+    mngr.wait_until_finished()
+    resumed = restore(mngr, jax.eval_shape(make_state))  # bit-identical to `state`
+    new_config = jax.eval_shape(lambda: make_state(growth_interval=500))
+    # restore(mngr, new_config)  # ValueError: growth_interval: saved 1000, target 500
+    adopted = restore(mngr, new_config, adopt_config=True)  # saved scale and counters
+
+print(ls.get_loss_scale(resumed).loss_scale, ls.get_loss_scale(adopted).growth_interval)
+'''
+
+JSON_SNIPPET = '''\
+import json
+
+import loss_scaling as ls
+
+s = ls.update(ls.DynamicLossScale(init_scale=1024.0, growth_interval=100), True)
+text = json.dumps(ls.state_dict(s))  # {"format_version": 1, "kind": "dynamic", "config":...
+s = ls.from_state_dict(json.loads(text))  # validated: a ValueError naming any bad field
+'''
+
+
+def recipe() -> dict:
+    """The README's save / restore functions."""
+    ns: dict = {}
+    exec(SAVE_RESTORE_SNIPPET, ns)
+    return ns
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def as_bytes(x) -> np.ndarray:
+    return np.asarray(x).reshape(-1).view(np.uint8)
+
+
+def assert_bit_identical(a, b, same_treedef=True):
+    """Same leaves bit for bit (dtype, shape, bytes); same treedef (configs included).
+
+    A Python scalar leaf (a TrainState's initial ``step``) counts as the array JAX makes of it.
+    """
+    if same_treedef:
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+    la, lb = jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (path, x), (_, y) in zip(la, lb, strict=True):
+        x, y = (np.asarray(jnp.asarray(v) if isinstance(v, (int, float)) else v) for v in (x, y))
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), jax.tree_util.keystr(path)
+        assert np.array_equal(as_bytes(x), as_bytes(y)), jax.tree_util.keystr(path)
+
+
+def host_copy(tree):
+    """A numpy copy, safe from donation."""
+    return jax.tree.map(np.array, tree)
+
+
+def scalers():
+    """Each kind with non-default values in every leaf."""
+    dynamic = ls.DynamicLossScale(init_scale=1000.0, growth_interval=5, hysteresis=3,
+                                  min_scale=2.0, growth_factor=3.0, backoff_factor=0.25)
+    for finite in (True, True, False, True, True, True, True, True, False):
+        dynamic = ls.update(dynamic, finite)
+    assert int(dynamic.growth_tracker) == 0 and int(dynamic.nonfinite_tracker) == 1
+    dynamic = ls.update(ls.update(dynamic, True), True)  # growth_tracker 2, streak reset
+    return {"noop": ls.NoOpLossScale(), "static": ls.StaticLossScale(96.0), "dynamic": dynamic}
+
+
+SCALER_KINDS = pytest.mark.parametrize("kind", ["noop", "static", "dynamic"])
+PARAMS = {"w": jnp.arange(6.0).reshape(3, 2), "b": jnp.array([0.5, -0.0])}
+
+
+def chained(scaler):
+    """A wrapped adamw inside optax.chain, then a schedule with its own state."""
+    return optax.chain(
+        ls.with_loss_scaling(optax.adamw(1e-2), scaler),
+        optax.scale_by_schedule(lambda count: 1.0 / (1.0 + 0.1 * count)),
+    )
+
+
+def stepped_chain_state(scaler, poison=(1.0, INF, 1.0)):
+    tx = chained(scaler)
+    params, opt_state = PARAMS, tx.init(PARAMS)
+    for p in poison:
+        grads = jax.tree.map(lambda x, p=p: (x + 1.0) * p, params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return tx, params, opt_state
+
+
+# ----------------------------------------------------------------- Orbax round trips
+
+
+@SCALER_KINDS
+def test_standard_checkpointer_round_trip_of_each_scaler(kind, tmp_path):
+    s = scalers()[kind]
+    targets = {
+        "shape_dtype": jax.tree.map(ocp.utils.to_shape_dtype_struct, s),
+        "eval_shape": jax.eval_shape(lambda: s),
+    }
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "s", s)
+        ckptr.wait_until_finished()
+        for target in targets.values():
+            restored = ckptr.restore(tmp_path / "s", target)
+            assert type(restored) is type(s)
+            assert_bit_identical(restored, s)  # the treedef holds the config
+
+
+@SCALER_KINDS
+@pytest.mark.parametrize("target_from", ["shape_dtype", "eval_shape"])
+@pytest.mark.parametrize("checkpointer", ["standard", "manager"])
+def test_orbax_round_trip_of_a_wrapped_state_in_a_chain(kind, target_from, checkpointer,
+                                                       tmp_path):
+    tx, params, opt_state = stepped_chain_state(scalers()[kind])
+    state = {"params": params, "opt_state": opt_state}
+    if target_from == "shape_dtype":
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    else:  # what a fresh process has: the optimizer rebuilt, nothing computed
+        target = jax.eval_shape(lambda p: {"params": p, "opt_state": tx.init(p)}, PARAMS)
+    if checkpointer == "standard":
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(tmp_path / "s", state)
+            ckptr.wait_until_finished()
+            restored = ckptr.restore(tmp_path / "s", target)
+    else:
+        with ocp.CheckpointManager(tmp_path / "m") as mngr:
+            mngr.save(7, args=ocp.args.StandardSave(state))
+            mngr.wait_until_finished()
+            restored = mngr.restore(7, args=ocp.args.StandardRestore(target))
+    assert_bit_identical(restored, state)
+    assert int(ls.metrics(restored["opt_state"])["skipped_steps"]) == 1
+
+
+@pytest.mark.parametrize("state_cls", [ls.TrainState, train_state.TrainState],
+                         ids=["ls", "flax"])
+def test_orbax_and_flax_round_trips_of_a_train_state(state_cls, tmp_path):
+    def make_state():
+        tx = ls.with_loss_scaling(optax.adamw(1e-2), ls.DynamicLossScale(
+            init_scale=512.0, growth_interval=3, hysteresis=2))
+        return state_cls.create(apply_fn=None, params=PARAMS, tx=tx)
+
+    state = make_state()
+    for p in (1.0, INF, 1.0, 1.0):
+        state = state.apply_gradients(grads=jax.tree.map(lambda x, p=p: (x - 1.0) * p,
+                                                         state.params))
+    assert int(ls.get_loss_scale(state).nonfinite_tracker) == 0
+    assert int(ls.get_loss_scale(state).growth_tracker) == 2
+    assert int(ls.metrics(state)["skipped_steps"]) == 1
+    fresh = jax.eval_shape(make_state)
+
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        mngr.save(4, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+        restored = mngr.restore(4, args=ocp.args.StandardRestore(fresh))
+    assert type(restored) is state_cls
+    assert_bit_identical(restored, state, same_treedef=False)  # tx: a new object
+    assert ls.get_loss_scale(restored).config == ls.get_loss_scale(state).config
+
+    from_bytes = flax.serialization.from_bytes(make_state(), flax.serialization.to_bytes(state))
+    assert_bit_identical(from_bytes, state, same_treedef=False)
+
+
+# ------------------------------------------------------------ the README's recipe
+
+
+def test_readme_contains_the_snippets_verbatim():
+    section = README.split("<!-- section: checkpoints -->")[1].split("<!-- section: demo")[0]
+    for snippet in (SAVE_RESTORE_SNIPPET, USAGE_SNIPPET, JSON_SNIPPET):
+        assert f"```python\n{snippet}```" in section
+
+
+def test_readme_recipe_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    ns = recipe()
+    exec(USAGE_SNIPPET, ns)
+    state, resumed, adopted = ns["state"], ns["resumed"], ns["adopted"]
+    assert float(ls.get_loss_scale(state).loss_scale) == 16384.0
+    assert_bit_identical(resumed, state, same_treedef=False)
+    assert ls.get_loss_scale(resumed).config == ls.get_loss_scale(state).config
+    assert_bit_identical(adopted, state, same_treedef=False)  # values kept...
+    assert ls.get_loss_scale(adopted).growth_interval == 500  # ...under the new config
+    assert capsys.readouterr().out == "16384.0 500\n"
+    with ocp.CheckpointManager(tmp_path / "checkpoints") as mngr:  # the commented-out line
+        with pytest.raises(ValueError, match="growth_interval: saved 1000, target 500"):
+            ns["restore"](mngr, ns["new_config"])
+
+
+def test_readme_json_snippet_runs():
+    ns: dict = {}
+    exec(JSON_SNIPPET, ns)
+    assert json.loads(ns["text"])["values"] == {
+        "loss_scale": 1024.0, "growth_tracker": 1, "nonfinite_tracker": 0}
+    assert_bit_identical(ns["s"], ls.update(ls.DynamicLossScale(
+        init_scale=1024.0, growth_interval=100), True))
+
+
+def test_plain_orbax_restore_takes_the_targets_config_which_the_recipe_refuses(tmp_path):
+    # Why the recipe saves the JSON: Orbax alone adopts the target's configuration silently.
+    _, params, opt_state = stepped_chain_state(ls.DynamicLossScale(
+        init_scale=256.0, growth_interval=3, hysteresis=2), poison=(1.0, 1.0, INF))
+    state = {"params": params, "opt_state": opt_state}
+    new_tx = chained(ls.DynamicLossScale(init_scale=256.0, growth_interval=100, hysteresis=2))
+    target = jax.eval_shape(lambda p: {"params": p, "opt_state": new_tx.init(p)}, params)
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        mngr.save(3, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+        silently = mngr.restore(3, args=ocp.args.StandardRestore(target))
+    assert ls.get_loss_scale(silently["opt_state"]).growth_interval == 100
+
+    save, restore = recipe()["save"], recipe()["restore"]
+    with ocp.CheckpointManager(tmp_path / "recipe") as mngr:
+        save(mngr, 3, state)
+        mngr.wait_until_finished()
+        with pytest.raises(ValueError) as info:
+            restore(mngr, target)
+        message = str(info.value)
+        assert "growth_interval: saved 3, target 100" in message
+        assert "adopt_config=True" in message
+        adopted = restore(mngr, target, adopt_config=True)
+    saved_scaler = ls.get_loss_scale(state)
+    scaler = ls.get_loss_scale(adopted)
+    assert scaler.config == ls.get_loss_scale(target).config
+    assert_bit_identical(adopted, state, same_treedef=False)  # scale and counters kept
+    assert (float(scaler.loss_scale), int(scaler.nonfinite_tracker)) == (256.0, 1)
+    # The new config rules from here: the next overflow backs off (hysteresis 2), then
+    # growth waits for 100 clean steps, not 3.
+    for finite in [False] + [True] * 99:
+        scaler, saved_scaler = ls.update(scaler, finite), ls.update(saved_scaler, finite)
+    assert float(saved_scaler.loss_scale) > 128.0
+    assert (float(scaler.loss_scale), int(scaler.growth_tracker)) == (128.0, 99)
+    assert float(ls.update(scaler, True).loss_scale) == 256.0
+
+
+@pytest.mark.parametrize("change", [
+    dict(growth_interval=50), dict(hysteresis=1), dict(min_scale=1.0), dict(growth_factor=4.0),
+])
+def test_any_config_change_is_refused_by_default_and_adopted_on_request(change, tmp_path):
+    base = dict(init_scale=256.0, growth_interval=3, hysteresis=2)
+    tx = ls.with_loss_scaling(optax.sgd(0.1), ls.DynamicLossScale(**base))
+    state = {"opt_state": tx.init(PARAMS)}
+    state["opt_state"] = tx.update(PARAMS, state["opt_state"], PARAMS)[1]  # tracker 1
+    new_tx = ls.with_loss_scaling(optax.sgd(0.1), ls.DynamicLossScale(**{**base, **change}))
+    target = jax.eval_shape(lambda: {"opt_state": new_tx.init(PARAMS)})
+    ns = recipe()
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        ns["save"](mngr, 1, state)
+        mngr.wait_until_finished()
+        name = next(iter(change))
+        with pytest.raises(ValueError, match=f"{name}: saved"):
+            ns["restore"](mngr, target)
+        adopted = ns["restore"](mngr, target, adopt_config=True)
+    s = ls.get_loss_scale(adopted)
+    assert getattr(s, name) == change[name]
+    assert (float(s.loss_scale), int(s.growth_tracker), int(s.nonfinite_tracker)) == (256.0, 1, 0)
+
+
+def test_saved_scale_is_restored_not_reset(tmp_path):
+    # PyTorch users lose the scale on resume (256 -> 65536: the next steps overflow).
+    def make_state():
+        return ls.TrainState.create(apply_fn=None, params=PARAMS,
+                                    tx=ls.with_loss_scaling(optax.adam(1e-3)))  # defaults
+
+    state = make_state()
+    bad = jax.tree.map(lambda x: x * INF, PARAMS)
+    for _ in range(7):  # 2**15 -> 2**8
+        state = state.apply_gradients(grads=bad)
+    assert float(ls.get_loss_scale(state).loss_scale) == 256.0
+    assert float(ls.get_loss_scale(make_state()).loss_scale) == 32768.0
+    ns = recipe()
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        ns["save"](mngr, 7, state)
+        mngr.wait_until_finished()
+        restored = ns["restore"](mngr, jax.eval_shape(make_state))
+    assert float(ls.get_loss_scale(restored).loss_scale) == 256.0
+    assert int(ls.metrics(restored)["consecutive_skips"]) == 7
+    assert int(restored.step) == 7
+
+
+def test_restore_loss_scale_refuses_another_kind_and_ambiguity():
+    wrapped = ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(8.0)).init(PARAMS)
+    saved = ls.state_dict(ls.DynamicLossScale())
+    for adopt in (False, True):
+        with pytest.raises(ValueError, match="kind: saved 'dynamic', target 'static'"):
+            ls.restore_loss_scale(wrapped, saved, adopt_config=adopt)
+    two = {"g": ls.with_loss_scaling(optax.sgd(0.1)).init(PARAMS),
+           "d": ls.with_loss_scaling(optax.sgd(0.1)).init(PARAMS)}
+    with pytest.raises(ValueError, match="Found 2 loss scales"):
+        ls.restore_loss_scale(two, saved)
+    restored = ls.restore_loss_scale(two, ls.state_dict(ls.DynamicLossScale(init_scale=4.0)),
+                                     path="['d']")
+    assert float(ls.get_loss_scale(restored, path="['d']").loss_scale) == 4.0
+    assert_bit_identical(restored["g"], two["g"])
+    inner = ls.with_loss_scaling(optax.sgd(0.1))
+    nested = ls.with_loss_scaling(optax.chain(inner, optax.scale(1.0))).init(PARAMS)
+    with pytest.raises(ValueError, match="nested inside another"):
+        ls.restore_loss_scale(nested, saved, path=".inner_state[0]")
+
+
+# ------------------------------------------------ resume in a fresh process: bit-identical
+
+N_STEPS, RESUME_AT = 30, 16
+OVERFLOW_STEPS = frozenset({2, 3, 4, 9, 15, 16, 22, 23, 24})
+VARIANTS = ("plain", "fused", "ls_train_state", "flax_train_state")
+
+
+def make_scaler():
+    return ls.DynamicLossScale(init_scale=2.0**12, growth_interval=3, hysteresis=2)
+
+
+def init_params():
+    rng = np.random.default_rng(0)
+    return {
+        "w1": jnp.asarray(rng.normal(size=(4, 8)), jnp.float32),
+        "b1": jnp.zeros(8, jnp.float32),
+        "w2": jnp.asarray(rng.normal(size=(8, 1)) * 0.3, jnp.float32),
+    }
+
+
+def batches():
+    """(x, y, poison) for every step; poison is inf on the steps that overflow."""
+    rng = np.random.default_rng(1)
+    xs = rng.normal(size=(N_STEPS, 16, 4)).astype(np.float32)
+    ys = rng.normal(size=(N_STEPS, 16, 1)).astype(np.float32)
+    poison = np.array([INF if t in OVERFLOW_STEPS else 1.0 for t in range(N_STEPS)],
+                      np.float32)
+    return [(jnp.asarray(xs[t]), jnp.asarray(ys[t]), jnp.asarray(poison[t]))
+            for t in range(N_STEPS)]
+
+
+def loss_fn(params, x, y, poison):
+    h = jax.nn.relu(x.astype(jnp.float16) @ params["w1"].astype(jnp.float16)
+                    + params["b1"].astype(jnp.float16))
+    pred = (h @ params["w2"].astype(jnp.float16)).astype(jnp.float32)  # float16 compute
+    return jnp.mean((pred - y) ** 2) * poison
+
+
+def make_run(variant):
+    """(a fresh initial state, its jitted step) for one variant, built from scratch."""
+    if variant == "plain":  # tx.update + optax.apply_updates, the wrapper inside a chain
+        tx = chained(make_scaler())
+
+        @jax.jit
+        def step(state, x, y, poison):
+            params, opt_state = state["params"], state["opt_state"]
+            _, grads = ls.value_and_grad(loss_fn)(opt_state, params, x, y, poison)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
+
+        return {"params": init_params(), "opt_state": tx.init(init_params())}, step
+    if variant == "fused":  # ls.apply_gradients, donated buffers
+        tx = ls.with_loss_scaling(optax.adamw(1e-2), make_scaler())
+
+        @functools.partial(jax.jit, donate_argnums=0)
+        def step(state, x, y, poison):
+            params, opt_state = state["params"], state["opt_state"]
+            _, grads = ls.value_and_grad(loss_fn)(opt_state, params, x, y, poison)
+            params, opt_state = ls.apply_gradients(tx, grads, opt_state, params)
+            return {"params": params, "opt_state": opt_state}
+
+        return {"params": init_params(), "opt_state": tx.init(init_params())}, step
+    if variant == "ls_train_state":  # fused, through ls.TrainState
+        cls, tx = ls.TrainState, ls.with_loss_scaling(optax.adamw(1e-2), make_scaler())
+    else:  # flax's TrainState: tx.update + apply_updates
+        cls, tx = train_state.TrainState, chained(make_scaler())
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state, x, y, poison):
+        _, grads = ls.value_and_grad(loss_fn)(state, state.params, x, y, poison)
+        return state.apply_gradients(grads=grads)
+
+    return cls.create(apply_fn=None, params=init_params(), tx=tx), step
+
+
+def dump(state, path: pathlib.Path) -> None:
+    """Every leaf (by key path) and the loss scale's state dict, to compare across processes."""
+    leaves = jax.tree.leaves_with_path(state)
+    np.savez(path.with_suffix(".npz"), *[np.asarray(x) for _, x in leaves])
+    path.with_suffix(".json").write_text(json.dumps({
+        "paths": [jax.tree_util.keystr(p) for p, _ in leaves],
+        "loss_scale": ls.state_dict(ls.get_loss_scale(state)),
+    }))
+
+
+def assert_matches_dump(state, path: pathlib.Path) -> None:
+    meta = json.loads(path.with_suffix(".json").read_text())
+    leaves = jax.tree.leaves_with_path(state)
+    assert meta["paths"] == [jax.tree_util.keystr(p) for p, _ in leaves]
+    assert meta["loss_scale"] == ls.state_dict(ls.get_loss_scale(state))  # config too
+    with np.load(path.with_suffix(".npz")) as arrays:
+        dumped = [arrays[f"arr_{i}"] for i in range(len(leaves))]
+    assert_bit_identical([x for _, x in leaves], dumped)
+
+
+def resume_in_this_process(directory: pathlib.Path) -> None:
+    """The fresh process: rebuild, restore at RESUME_AT, finish the run, dump."""
+    save_restore = recipe()
+    data = batches()
+    for variant in VARIANTS:
+        fresh, step = make_run(variant)
+        with ocp.CheckpointManager(directory / variant) as mngr:
+            state = save_restore["restore"](mngr, jax.eval_shape(lambda fresh=fresh: fresh))
+        dump(state, directory / f"{variant}_restored")
+        for t in range(RESUME_AT, N_STEPS):
+            state = step(state, *data[t])
+        dump(state, directory / f"{variant}_final")
+
+
+def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
+    save = recipe()["save"]
+    data = batches()
+    at_checkpoint, final = {}, {}
+    for variant in VARIANTS:
+        state, step = make_run(variant)
+        with ocp.CheckpointManager(tmp_path / variant) as mngr:
+            for t in range(N_STEPS):
+                if t == RESUME_AT:
+                    save(mngr, t, state)  # async: training goes on (and donates) meanwhile
+                    at_checkpoint[variant] = host_copy(state)
+                state = step(state, *data[t])
+            mngr.wait_until_finished()
+        final[variant] = host_copy(state)
+
+        # The run is the one intended: a pending hysteresis at the checkpoint (the step
+        # after it backs off only if nonfinite_tracker survives), growths and backoffs.
+        scaler = ls.get_loss_scale(at_checkpoint[variant])
+        assert (int(scaler.nonfinite_tracker), int(scaler.growth_tracker)) == (1, 0)
+        assert int(ls.metrics(final[variant])["skipped_steps"]) == len(OVERFLOW_STEPS)
+        assert ls.get_loss_scale(final[variant]).loss_scale != make_scaler().loss_scale
+
+    for a, b in [("plain", "flax_train_state"), ("fused", "ls_train_state")]:
+        assert_bit_identical(final[a]["params"], final[b].params)  # the same computation
+
+    result = subprocess.run(
+        [sys.executable, __file__, str(tmp_path)], capture_output=True, text=True,
+        timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr[-5000:]
+    for variant in VARIANTS:
+        assert_matches_dump(at_checkpoint[variant], tmp_path / f"{variant}_restored")
+        assert_matches_dump(final[variant], tmp_path / f"{variant}_final")
+
+
+if __name__ == "__main__":
+    resume_in_this_process(pathlib.Path(sys.argv[1]))
