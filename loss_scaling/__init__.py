@@ -6,6 +6,7 @@ optimizer so that non-finite steps are skipped exactly.
 """
 
 from loss_scaling._errors import LossScaleError
+from loss_scaling.lookup import get_loss_scale, metrics, nonfinite_grad_paths
 from loss_scaling.scalers import (
     DynamicLossScale,
     LossScale,
@@ -22,14 +23,11 @@ from loss_scaling.serialization import (
     restore_with_config,
     state_dict,
 )
-from loss_scaling.train_state import TrainState
+from loss_scaling.train_step import TrainState, value_and_grad
 from loss_scaling.transform import (
     LossScalingState,
     LossScalingTransformation,
     apply_gradients,
-    get_loss_scale,
-    metrics,
-    value_and_grad,
     with_loss_scaling,
 )
 from loss_scaling.tree import all_finite, scale, unscale
@@ -53,6 +51,7 @@ __all__ = [
     "get_loss_scale",
     "loss_scale_for",
     "metrics",
+    "nonfinite_grad_paths",
     "restore_loss_scale",
     "restore_with_config",
     "scale",

@@ -24,8 +24,16 @@ BACKOFF_UNDERFLOW = (
     "{new!r}, below the smallest normal float32 ({tiny!r}). Unscaling by a zero or subnormal "
     "factor is meaningless, so the step fails instead of continuing silently. The gradients "
     "keep overflowing at every scale: look for a NaN/inf in the loss or the model itself "
-    "(see `non_finite_loss` in the train-step helper), or pass "
-    "`min_scale=...` to clamp the backoff."
+    "(pass `loss=loss` to the optimizer update and read `nonfinite_loss_steps` and "
+    "`loss_scaling.nonfinite_grad_paths`), or pass `min_scale=...` to clamp the backoff."
+)
+
+
+TOO_MANY_SKIPS = (
+    "{count} consecutive optimizer steps skipped (max_consecutive_skips={limit}); the loss "
+    "scale is now {scale!r}. Gradient leaves non-finite on the last step: {leaves}. The run "
+    "is not recovering by backing off: look for the source of the inf/NaN there (or raise "
+    "max_consecutive_skips)."
 )
 
 

@@ -2,13 +2,14 @@
 
 ``with_loss_scaling(inner, scaler)`` takes the gradients of the *scaled* loss. One update:
 
-1. ``finite``: whether the unscaled gradients are all finite, read from the raw gradients
-   in one reduction per leaf (the unscaled tree is never materialized for the test);
-   AND-reduced over ``axis_name`` when given.
+1. ``finite``: per gradient leaf, whether its unscaled values are all finite, read from
+   the raw gradients in one reduction per leaf (the unscaled tree is never materialized
+   for the test); AND-reduced over ``axis_name`` when given. With ``loss=...``, the loss
+   must be finite too.
 2. If finite, unscale and run the inner update (so clipping in the inner chain sees true
    gradients). If not, skip it: the inner state is returned untouched and the updates are
    ``-0.0`` (``p + -0.0 == p`` bit for bit, ``-0.0`` params included, unlike ``+0.0``).
-3. Update the loss scale and the skip counters, always.
+3. Update the loss scale, the counters and the per-leaf diagnostics, always.
 
 The fused :func:`apply_gradients` puts the inner update *and* ``apply_updates`` under
 one skip decision, so the updates tree never leaves it: the cheapest path (see the
@@ -22,24 +23,24 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
-from loss_scaling import scalers, tree
+from loss_scaling import _errors, scalers, tree
 from loss_scaling.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from loss_scaling.tree import AxisName
 
 __all__ = [
     "LossScalingState",
+    "LossScalingTransformation",
     "apply_gradients",
-    "get_loss_scale",
-    "metrics",
-    "value_and_grad",
     "with_loss_scaling",
 ]
 
 SkipMode = Literal["auto", "cond", "select"]
-_SCALER_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+NonFiniteLoss = Literal["backoff", "skip"]
+SCALER_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 
 
 class LossScalingState(NamedTuple):
@@ -51,7 +52,15 @@ class LossScalingState(NamedTuple):
       inner_state: the wrapped optimizer's state; unchanged by skipped steps.
       skipped_steps: int32, steps skipped in total (saturating).
       consecutive_skips: int32, steps skipped since the last finite one (saturating).
-      last_step_finite: bool, whether the last step's gradients were finite.
+      last_step_finite: bool, whether the last step was applied.
+      nonfinite_loss_steps: int32, steps skipped because the ``loss`` passed to the
+        update was itself non-finite (saturating).
+      nonfinite_grads: bool vector with one entry per params leaf, in ``jax.tree.leaves``
+        order: ``True`` where that gradient leaf was non-finite on the most recent
+        skipped step (:func:`loss_scaling.nonfinite_grad_paths` names them). A vector,
+        not a params-shaped tree: ``optax.tree_map_params`` (sharding specs for optimizer
+        states) must not mistake it for params, and its structure must not depend on
+        the params, which ``tree_map_params`` replaces by one placeholder.
     """
 
     scaler: LossScale
@@ -59,6 +68,8 @@ class LossScalingState(NamedTuple):
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
     last_step_finite: jax.Array
+    nonfinite_loss_steps: jax.Array
+    nonfinite_grads: jax.Array
 
 
 def _resolve_skip(skip: SkipMode) -> Literal["cond", "select"]:
@@ -117,12 +128,14 @@ def _count(counter: jax.Array, finite: jax.Array, reset: bool) -> jax.Array:
 
 
 class _Core(NamedTuple):
-    """What apply_gradients needs to fuse: the inner transformation and the settings."""
+    """The wrapper's settings, shared by ``update`` and the fused :func:`apply_gradients`."""
 
     inner: optax.GradientTransformationExtraArgs
     axis_name: AxisName
     skip: Literal["cond", "select"]
     runtime_check: bool
+    max_consecutive_skips: int | None
+    nonfinite_loss: NonFiniteLoss
 
 
 class LossScalingTransformation(optax.GradientTransformationExtraArgs):
@@ -142,6 +155,8 @@ def with_loss_scaling(
     axis_name: AxisName = None,
     skip: SkipMode = "auto",
     runtime_check: bool = True,
+    max_consecutive_skips: int | None = None,
+    nonfinite_loss: NonFiniteLoss = "backoff",
 ) -> LossScalingTransformation:
     """Wraps ``inner`` so that it takes gradients of the scaled loss and skips bad steps.
 
@@ -156,13 +171,22 @@ def with_loss_scaling(
         ``update`` are forwarded to it).
       scaler: the initial loss-scale state; ``DynamicLossScale()`` by default.
       axis_name: inside ``pmap`` / ``shard_map``, the axis name (or names) over which the
-        finite flag is AND-reduced so that every replica skips together.
+        finite flags are AND-reduced so that every replica skips together.
       skip: how a skipped step is implemented: ``"cond"`` (a ``lax.cond`` around the
         inner update), ``"select"`` (compute, then select), or ``"auto"`` (the one
         measured faster on the current backend).
       runtime_check: passed to :func:`loss_scaling.update`: whether a backoff out of the
         float32 range raises at run time under ``jit`` (a host callback that JAX's
         dispatch pays for on every step) or only poisons the scale with NaN.
+      max_consecutive_skips: optional guard for runs that cannot recover: after this many
+        consecutive skipped steps the step fails (``LossScaleError`` eagerly, a run-time
+        error under ``jit``) with the count, the scale and the non-finite gradient leaves,
+        instead of skipping forever. ``None`` (the default) compiles no check.
+      nonfinite_loss: what a non-finite ``loss`` passed to ``update(..., loss=loss)`` does.
+        It is not an overflow of the scaled gradients (the forward pass itself produced
+        inf/NaN), so ``"skip"`` skips the step and leaves the loss scale untouched, while
+        ``"backoff"`` (the default) treats it like a gradient overflow. Either way it is
+        counted in ``nonfinite_loss_steps``.
 
     Returns:
       A :class:`LossScalingTransformation` (an ``optax.GradientTransformationExtraArgs``).
@@ -186,9 +210,14 @@ def with_loss_scaling(
     """
     if skip not in ("auto", "cond", "select"):
         raise ValueError(f"skip must be 'auto', 'cond' or 'select', got {skip!r}.")
+    if nonfinite_loss not in ("backoff", "skip"):
+        raise ValueError(f"nonfinite_loss must be 'backoff' or 'skip', got {nonfinite_loss!r}.")
+    if max_consecutive_skips is not None:
+        max_consecutive_skips = scalers.positive_int32("max_consecutive_skips",
+                                                       max_consecutive_skips)
     if scaler is None:
         scaler = DynamicLossScale()
-    if not isinstance(scaler, _SCALER_TYPES):
+    if not isinstance(scaler, SCALER_TYPES):
         raise TypeError(
             f"scaler must be a NoOpLossScale, StaticLossScale or DynamicLossScale, got {scaler!r}."
         )
@@ -196,6 +225,9 @@ def with_loss_scaling(
         axis_name = tuple(axis_name)
     inner = optax.with_extra_args_support(inner)
     initial_scaler = scaler
+    core = _Core(inner=inner, axis_name=axis_name, skip=_resolve_skip(skip),
+                 runtime_check=runtime_check, max_consecutive_skips=max_consecutive_skips,
+                 nonfinite_loss=nonfinite_loss)
 
     def init_fn(params: optax.Params) -> LossScalingState:
         return LossScalingState(
@@ -204,6 +236,8 @@ def with_loss_scaling(
             skipped_steps=jnp.zeros((), jnp.int32),
             consecutive_skips=jnp.zeros((), jnp.int32),
             last_step_finite=jnp.ones((), jnp.bool_),
+            nonfinite_loss_steps=jnp.zeros((), jnp.int32),
+            nonfinite_grads=jnp.zeros((len(jax.tree.leaves(params)),), jnp.bool_),
         )
 
     def update_fn(
@@ -212,43 +246,115 @@ def with_loss_scaling(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScalingState]:
-        scaler_now = state.scaler
-        finite = tree.unscaled_all_finite(updates, scaler_now.loss_scale, axis_name)
+        check = _check(core, updates, state, extra_args)
 
         def step(operands: Any) -> Any:
             grads, inner_state, params = operands
-            return inner.update(tree.unscale(scaler_now, grads), inner_state, params,
+            return inner.update(tree.unscale(state.scaler, grads), inner_state, params,
                                 **extra_args)
 
         operands = (updates, state.inner_state, params)
-        if _resolve_skip(skip) == "cond":
+        if core.skip == "cond":
             def skip_step(operands: Any) -> Any:
                 out_shapes = jax.eval_shape(step, operands)
                 return _negative_zeros_like(out_shapes[0]), operands[1]
 
-            new_updates, new_inner = _skip_cond(finite, step, skip_step, operands)
+            new_updates, new_inner = _skip_cond(check.apply, step, skip_step, operands)
         else:
             stepped_updates, stepped_inner = step(operands)
             new_updates = jax.tree.map(
-                lambda u: jnp.where(finite, u, jnp.full_like(u, -0.0)), stepped_updates)
-            new_inner = optax.tree.where(finite, stepped_inner, state.inner_state)
-        return new_updates, _next_state(state, new_inner, finite, runtime_check)
+                lambda u: jnp.where(check.apply, u, jnp.full_like(u, -0.0)), stepped_updates)
+            new_inner = optax.tree.where(check.apply, stepped_inner, state.inner_state)
+        return new_updates, _next_state(core, state, new_inner, check)
 
     tx = LossScalingTransformation(init_fn, update_fn)
-    tx.core = _Core(inner=inner, axis_name=axis_name, skip=_resolve_skip(skip),
-                    runtime_check=runtime_check)
+    tx.core = core
     return tx
 
 
-def _next_state(state: LossScalingState, inner_state: Any, finite: jax.Array,
-                runtime_check: bool) -> LossScalingState:
-    return LossScalingState(
-        scaler=scalers.update(state.scaler, finite, runtime_check=runtime_check),
+class _Check(NamedTuple):
+    apply: jax.Array  # run the inner step
+    grads_finite: jax.Array
+    loss_finite: jax.Array
+    leaf_finite: Any  # per-leaf flags, shaped like the gradients
+
+
+def _check(core: _Core, grads: Any, state: LossScalingState, extra_args: dict) -> _Check:
+    leaf_finite, grads_finite = tree.unscaled_finite_leaves(
+        grads, state.scaler.loss_scale, core.axis_name)
+    loss = extra_args.get("loss")
+    loss_finite = jnp.asarray(True)
+    if loss is not None:
+        loss_finite = jnp.isfinite(jnp.asarray(loss)).all()
+        if core.axis_name is not None:
+            loss_finite = lax.pmin(loss_finite.astype(jnp.int32), core.axis_name) == 1
+    return _Check(grads_finite & loss_finite, grads_finite, loss_finite, leaf_finite)
+
+
+def _next_state(core: _Core, state: LossScalingState, inner_state: Any,
+                check: _Check) -> LossScalingState:
+    applied = check.apply
+    if core.nonfinite_loss == "skip":
+        # The forward pass, not the scale, made the loss non-finite: leave the scale be.
+        new_scaler = scalers.update(state.scaler, check.grads_finite,
+                                    runtime_check=core.runtime_check)
+        new_scaler = optax.tree.where(check.loss_finite, new_scaler, state.scaler)
+    else:
+        new_scaler = scalers.update(state.scaler, applied, runtime_check=core.runtime_check)
+    flags = jax.tree.leaves(check.leaf_finite)
+    leaf_ok = jnp.stack(flags) if flags else jnp.ones((0,), jnp.bool_)
+    nonfinite_grads = jnp.where(applied, state.nonfinite_grads, ~leaf_ok)
+    new_state = LossScalingState(
+        scaler=new_scaler,
         inner_state=inner_state,
-        skipped_steps=_count(state.skipped_steps, finite, reset=False),
-        consecutive_skips=_count(state.consecutive_skips, finite, reset=True),
-        last_step_finite=finite,
+        skipped_steps=_count(state.skipped_steps, applied, reset=False),
+        consecutive_skips=_count(state.consecutive_skips, applied, reset=True),
+        last_step_finite=applied,
+        nonfinite_loss_steps=_count(state.nonfinite_loss_steps, check.loss_finite, reset=False),
+        nonfinite_grads=nonfinite_grads,
     )
+    if core.max_consecutive_skips is not None:
+        _guard_consecutive_skips(core.max_consecutive_skips, new_state, check.leaf_finite)
+    return new_state
+
+
+def leaf_names(tree: Any) -> list[str]:
+    """Dotted key paths of the leaves (``"encoder.layers.0.w"``), made unique."""
+    names: list[str] = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = jax.tree_util.keystr(path, simple=True, separator=".") or "params"
+        while name in names:  # e.g. {"a.b": x} next to {"a": {"b": y}}
+            name += "_"
+        names.append(name)
+    return names
+
+
+def _guard_consecutive_skips(limit: int, state: LossScalingState, leaf_finite: Any) -> None:
+    """Fails the step once ``limit`` steps in a row were skipped (eagerly or in-graph)."""
+    names = leaf_names(leaf_finite)
+    flags = jax.tree.leaves(leaf_finite)
+    leaf_ok = jnp.stack(flags) if flags else jnp.ones((0,), jnp.bool_)
+    reached = state.consecutive_skips >= limit
+
+    def message(count: Any, scale: Any, ok: Any) -> str:
+        bad = [name for name, good in zip(names, np.asarray(ok).reshape(-1), strict=True)
+               if not good]
+        return _errors.TOO_MANY_SKIPS.format(
+            count=int(np.asarray(count)), limit=limit, scale=float(np.asarray(scale)),
+            leaves=", ".join(bad) or "none (the loss was non-finite)")
+
+    values = (state.consecutive_skips, jnp.asarray(state.scaler.loss_scale), leaf_ok)
+    if not any(isinstance(x, jax.core.Tracer) for x in values):
+        if bool(reached):
+            raise _errors.LossScaleError(message(*values))
+        return
+
+    def host_check(reached: Any, *values: Any) -> None:
+        if np.any(reached):
+            raise _errors.LossScaleError(message(*values))
+
+    lax.cond(reached, lambda *a: jax.debug.callback(host_check, *a), lambda *a: None,
+             reached, *values)
 
 
 def apply_gradients(
@@ -271,7 +377,8 @@ def apply_gradients(
       grads: gradients of the scaled loss.
       opt_state: ``tx``'s state.
       params: the parameters.
-      **extra_args: forwarded to the inner update.
+      **extra_args: forwarded to the inner update; ``loss=`` is also checked (see
+        ``nonfinite_loss`` in :func:`with_loss_scaling`).
 
     Returns:
       ``(new_params, new_opt_state)``.
@@ -291,187 +398,20 @@ def apply_gradients(
         updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
         return optax.apply_updates(params, updates), opt_state
 
-    scaler_now = opt_state.scaler
-    finite = tree.unscaled_all_finite(grads, scaler_now.loss_scale, core.axis_name)
+    check = _check(core, grads, opt_state, extra_args)
 
     def step(operands: Any) -> Any:
         grads, inner_state, params = operands
         updates, inner_state = core.inner.update(
-            tree.unscale(scaler_now, grads), inner_state, params, **extra_args)
+            tree.unscale(opt_state.scaler, grads), inner_state, params, **extra_args)
         return optax.apply_updates(params, updates), inner_state
 
     operands = (grads, opt_state.inner_state, params)
     if core.skip == "cond":
-        new_params, new_inner = _skip_cond(finite, step, lambda ops: (ops[2], ops[1]),
+        new_params, new_inner = _skip_cond(check.apply, step, lambda ops: (ops[2], ops[1]),
                                            operands)
     else:
         stepped_params, stepped_inner = step(operands)
-        new_params = optax.tree.where(finite, stepped_params, params)
-        new_inner = optax.tree.where(finite, stepped_inner, opt_state.inner_state)
-    return new_params, _next_state(opt_state, new_inner, finite, core.runtime_check)
-
-
-# ------------------------------------------------------------------- finding the scaler
-
-
-def _unwrap_variables(x: Any) -> Any:
-    """Replaces flax.nnx Variables (as found in ``nnx.Optimizer.opt_state``) by values."""
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is a dependency
-        return x
-    if isinstance(x, nnx.Optimizer):
-        x = x.opt_state
-    # get_value(): flax >= 0.12 deprecates `.value` (a DeprecationWarning on every call).
-    return jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, x,
-                        is_leaf=lambda v: isinstance(v, nnx.Variable))
-
-
-def _all_loss_scaling_states(opt_state: Any) -> list[tuple[str, LossScalingState]]:
-    # optax matches a NamedTuple by its class name; the isinstance filter rules out
-    # any other class that happens to share the name.
-    found = optax.tree_utils.tree_get_all_with_path(
-        _unwrap_variables(opt_state), LossScalingState.__name__,
-        filtering=lambda _, value: isinstance(value, LossScalingState),
-    )
-    return [(_path_str(path), value) for path, value in found]
-
-
-def _path_str(path: tuple[Any, ...]) -> str:
-    """A key path as Python would index it, e.g. ``.inner_states['x'].inner_state``."""
-    parts = []
-    for key in path:
-        if isinstance(key, (optax.tree_utils.NamedTupleKey, jax.tree_util.GetAttrKey)):
-            parts.append(f".{key.name}")
-        elif isinstance(key, jax.tree_util.DictKey):
-            parts.append(f"[{key.key!r}]")
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(f"[{key.idx}]")
-        else:
-            parts.append(jax.tree_util.keystr((key,)))
-    return "".join(parts)
-
-
-def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
-    """The loss-scale state inside a (possibly nested) optax state.
-
-    Finds the :func:`with_loss_scaling` state inside ``optax.chain``, ``MultiSteps``,
-    ``inject_hyperparams``, ``masked`` / ``multi_transform``, a flax ``TrainState`` (or its
-    ``opt_state``) and a ``flax.nnx.Optimizer`` (or its ``opt_state``).
-
-    Args:
-      opt_state: an optimizer state, TrainState or nnx Optimizer.
-      path: when there are several loss scales, which one: its key path as listed in the
-        error message (e.g. ``".inner_states['generator'].inner_state"``), or any part of
-        it that only one of them contains (e.g. ``"['generator']"``).
-
-    Returns:
-      The loss-scale state (its leaves as arrays).
-
-    Raises:
-      ValueError: if there is no loss scale, or several and ``path`` does not pick one.
-
-    Examples:
-      >>> import jax.numpy as jnp, optax
-      >>> import loss_scaling as ls
-      >>> tx = optax.chain(optax.clip(1.0), ls.with_loss_scaling(optax.adam(1e-3)))
-      >>> float(ls.get_loss_scale(tx.init(jnp.zeros(3))).loss_scale)
-      32768.0
-    """
-    return _get_wrapper_state(opt_state, path).scaler
-
-
-def _get_wrapper_state(opt_state: Any, path: str | None) -> LossScalingState:
-    found = _all_loss_scaling_states(opt_state)
-    if path is not None:
-        exact = [(p, s) for p, s in found if p == path]
-        found = exact or [(p, s) for p, s in found if path in p]
-    if len(found) == 1:
-        return found[0][1]
-    if not found:
-        where = "" if path is None else f" at path {path!r}"
-        raise ValueError(
-            f"No loss scale found{where} in this optimizer state: build the optimizer with "
-            "`loss_scaling.with_loss_scaling(...)` and pass its state (or a TrainState / "
-            "nnx.Optimizer holding it).")
-    paths = ", ".join(repr(p) for p, _ in found)
-    raise ValueError(
-        f"Found {len(found)} loss scales, at paths {paths}: pass `path=` with one of them.")
-
-
-def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
-    """Arrays to log, read from the state without a host sync.
-
-    Args:
-      opt_state: as for :func:`get_loss_scale`.
-      path: as for :func:`get_loss_scale`.
-
-    Returns:
-      ``{"loss_scale", "growth_tracker", "skipped_steps", "consecutive_skips",
-      "last_step_finite"}``; ``growth_tracker`` is 0 for non-dynamic scales.
-
-    Examples:
-      >>> import jax.numpy as jnp, optax
-      >>> import loss_scaling as ls
-      >>> opt_state = ls.with_loss_scaling(optax.sgd(1.0)).init(jnp.zeros(2))
-      >>> {k: v.item() for k, v in ls.metrics(opt_state).items()}  # doctest: +NORMALIZE_WHITESPACE
-      {'loss_scale': 32768.0, 'growth_tracker': 0, 'skipped_steps': 0,
-       'consecutive_skips': 0, 'last_step_finite': True}
-    """
-    state = _get_wrapper_state(opt_state, path)
-    scaler = state.scaler
-    tracker = getattr(scaler, "growth_tracker", None)
-    return {
-        "loss_scale": jnp.asarray(scaler.loss_scale),
-        "growth_tracker": jnp.zeros((), jnp.int32) if tracker is None else tracker,
-        "skipped_steps": state.skipped_steps,
-        "consecutive_skips": state.consecutive_skips,
-        "last_step_finite": state.last_step_finite,
-    }
-
-
-# ------------------------------------------------------------------------ train step
-
-
-def value_and_grad(
-    fun: Callable[..., Any],
-    argnums: int | tuple[int, ...] = 0,
-    has_aux: bool = False,
-) -> Callable[..., Any]:
-    """Like ``jax.value_and_grad``, differentiating the scaled loss.
-
-    The returned function takes the loss scale first: a loss-scale state or any state
-    :func:`get_loss_scale` accepts (an opt_state, a TrainState, an nnx Optimizer), then
-    ``fun``'s arguments. It returns the *unscaled* loss (and aux) with the *scaled*
-    gradients, ready for ``tx.update`` / :func:`apply_gradients`.
-
-    Args:
-      fun: the loss function; returns a scalar loss (or ``(loss, aux)``).
-      argnums: as in ``jax.value_and_grad``, counted over ``fun``'s arguments.
-      has_aux: as in ``jax.value_and_grad``.
-
-    Returns:
-      ``f(state, *args, **kwargs) -> (loss, grads)`` or ``((loss, aux), grads)``.
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> import loss_scaling as ls
-      >>> grad_fn = ls.value_and_grad(lambda w: jnp.sum(w ** 2))
-      >>> loss, grads = grad_fn(ls.StaticLossScale(8.0), jnp.array([1.0, 2.0]))
-      >>> loss, grads
-      (Array(5., dtype=float32), Array([16., 32.], dtype=float32))
-    """
-
-    def wrapped(state: Any, *args: Any, **kwargs: Any) -> Any:
-        scaler = state if isinstance(state, _SCALER_TYPES) else get_loss_scale(state)
-
-        def scaled(*args: Any, **kwargs: Any) -> Any:
-            out = fun(*args, **kwargs)
-            loss, aux = out if has_aux else (out, None)
-            return tree.scale(scaler, loss), (loss, aux)
-
-        (_, (loss, aux)), grads = jax.value_and_grad(scaled, argnums, has_aux=True)(
-            *args, **kwargs)
-        return ((loss, aux), grads) if has_aux else (loss, grads)
-
-    return wrapped
+        new_params = optax.tree.where(check.apply, stepped_params, params)
+        new_inner = optax.tree.where(check.apply, stepped_inner, opt_state.inner_state)
+    return new_params, _next_state(core, opt_state, new_inner, check)

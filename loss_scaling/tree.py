@@ -168,34 +168,53 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
     return _all_finite_jit(tree, axis_name=axis_name)
 
 
-def unscaled_all_finite(tree: Any, factor: jax.Array, axis_name: AxisName = None) -> jax.Array:
-    """Whether ``unscale`` of ``tree`` by ``factor`` would be finite, read from ``tree``.
+def _unscaled_leaf_finite(x: Any, factor: jax.Array) -> jax.Array:
+    if not _is_floating(x):
+        return jnp.asarray(True)
+    dtype = jnp.result_type(x)
+    compute = _compute_dtype(x)
+    limit = jnp.asarray(jnp.finfo(dtype).max, compute)
+    inverse = 1 / factor.astype(compute)
+    total = jnp.sum(jnp.abs(x), dtype=compute)
+    if jnp.finfo(dtype).max < jnp.finfo(jnp.float32).max / 2:  # float16 and narrower
+        largest = jnp.max(jnp.abs(x)).astype(compute) if jnp.size(x) else total
+        return jnp.isfinite(total) & (largest * inverse <= limit)
+    return total * inverse <= limit
 
-    One fused reduction per leaf over the raw (scaled) values, without materializing the
-    unscaled tree. Per leaf, ``sum(|x|)`` in float32 (float64 for float64 leaves) times
-    ``1 / factor`` must not exceed the leaf dtype's largest value: inf and NaN propagate
-    through a sum, also through the cross-device sum that ``jit`` with shardings ends in
-    (a cross-device *max* drops NaN on XLA CPU), and since every entry is at most the
-    sum, no entry can overflow when unscaled. Float16 leaves, whose range a sum of many
-    entries would exceed, also compare ``max(|x|)`` instead (a second reduction).
 
-    A leaf whose sum of magnitudes passes float32's range while every entry is finite
-    (entries around 1e31) reads as non-finite: the step is skipped and the scale backs
-    off, the safe direction.
+def unscaled_finite_leaves(
+    tree: Any, factor: jax.Array, axis_name: AxisName = None
+) -> tuple[Any, jax.Array]:
+    """Per leaf, whether ``unscale`` of it by ``factor`` would be finite; and all of them.
+
+    Read from the raw (scaled) values in one fused reduction per leaf, without
+    materializing the unscaled tree. Per leaf, ``sum(|x|)`` in float32 (float64 for
+    float64 leaves) times ``1 / factor`` must not exceed the leaf dtype's largest value:
+    inf and NaN propagate through a sum, also through the cross-device sum that ``jit``
+    with shardings ends in (a cross-device *max* drops NaN on XLA CPU), and since every
+    entry is at most the sum, no entry can overflow when unscaled. Float16 leaves, whose
+    range a sum of many entries would exceed, compare ``max(|x|)`` instead (plus the sum
+    for NaN: a second reduction). A leaf whose magnitudes sum past float32's range while
+    every entry is finite (entries near 1e31) reads as non-finite: the step is skipped
+    and the scale backs off, the safe direction.
+
+    With ``axis_name``, the per-leaf flags are AND-reduced over the named axes in one
+    collective (a ``pmin`` of one int32 per leaf), so every replica agrees on both.
+
+    Returns:
+      ``(flags, finite)``: a tree of scalar bools shaped like ``tree`` (``True`` for
+      non-floating leaves) and their AND.
     """
-    flags = []
-    for x in jax.tree.leaves(tree):
-        if not _is_floating(x):
-            continue
-        dtype = jnp.result_type(x)
-        compute = _compute_dtype(x)
-        limit = jnp.asarray(jnp.finfo(dtype).max, compute)
-        inverse = 1 / factor.astype(compute)
-        total = jnp.sum(jnp.abs(x), dtype=compute)
-        if jnp.finfo(dtype).max < jnp.finfo(jnp.float32).max / 2:  # float16 and narrower
-            largest = jnp.max(jnp.abs(x)).astype(compute) if jnp.size(x) else total
-            flags.append(jnp.isfinite(total) & (largest * inverse <= limit))
-        else:
-            flags.append(total * inverse <= limit)
-    finite = jnp.stack(flags).all() if flags else jnp.asarray(True)
-    return _reduce_over_axes(finite, axis_name)
+    flags = jax.tree.map(lambda x: _unscaled_leaf_finite(x, factor), tree)
+    leaves, treedef = jax.tree.flatten(flags)
+    if not leaves:
+        return flags, jnp.asarray(True)
+    stacked = jnp.stack(leaves)
+    if axis_name is not None:
+        stacked = lax.pmin(stacked.astype(jnp.int32), axis_name) == 1
+    return jax.tree.unflatten(treedef, list(stacked)), stacked.all()
+
+
+def unscaled_all_finite(tree: Any, factor: jax.Array, axis_name: AxisName = None) -> jax.Array:
+    """Whether ``unscale`` of ``tree`` by ``factor`` would be finite (see above)."""
+    return unscaled_finite_leaves(tree, factor, axis_name)[1]

@@ -195,10 +195,15 @@ def path_jit(api: str, skip: str, scale: ls.LossScale, **tx_kwargs: Any) -> Any:
 TP_PARAM_SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()}
 
 
+def replicated(x: Any) -> P:
+    """Replicated, one None per axis: the spec a step's output comes back with."""
+    return P(*[None] * jnp.ndim(x))
+
+
 def tp_specs(tx: Any, opt_state: Any) -> Any:
     """The opt_state's PartitionSpec tree: moments like their params, the rest replicated."""
     return optax.tree_map_params(tx, lambda _, spec: spec, opt_state, TP_PARAM_SPECS,
-                                 transform_non_params=lambda _: P())
+                                 transform_non_params=replicated)
 
 
 def path_jit_tp(api: str, skip: str, scale: ls.LossScale, **tx_kwargs: Any) -> Any:

@@ -207,6 +207,10 @@ def test_sharded_state_keeps_its_partition_specs(results, path):
             assert spec == sharded[key[3:]], key
         elif ".mu[" in key or ".nu[" in key:  # moments follow their params
             assert spec == sharded[key[key.rindex("["):]], key
+        elif key.endswith(".nonfinite_grads"):  # the per-leaf flags: a replicated vector
+            assert spec in ("P()", "P(None,)"), key
+        elif key.endswith("nonfinite_grads"):  # the per-leaf flags: a replicated vector
+            assert spec == "P(None,)", key
         else:  # the scaler, adam's count, the wrapper's counters: replicated scalars
             assert spec == "P()", key
 

@@ -1,0 +1,176 @@
+"""Finding the loss scale inside any optimizer state, and reading it for logs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from loss_scaling.scalers import LossScale
+from loss_scaling.transform import LossScalingState, leaf_names
+
+__all__ = ["get_loss_scale", "metrics", "nonfinite_grad_paths"]
+
+
+def _unwrap_variables(x: Any) -> Any:
+    """Replaces flax.nnx Variables (as found in ``nnx.Optimizer.opt_state``) by values."""
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover - flax is a dependency
+        return x
+    if isinstance(x, nnx.Optimizer):
+        x = x.opt_state
+    # get_value(): flax >= 0.12 deprecates `.value` (a DeprecationWarning on every call).
+    return jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, x,
+                        is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def _all_loss_scaling_states(opt_state: Any) -> list[tuple[str, LossScalingState]]:
+    # optax matches a NamedTuple by its class name; the isinstance filter rules out
+    # any other class that happens to share the name.
+    found = optax.tree_utils.tree_get_all_with_path(
+        _unwrap_variables(opt_state), LossScalingState.__name__,
+        filtering=lambda _, value: isinstance(value, LossScalingState),
+    )
+    return [(_path_str(path), value) for path, value in found]
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    """A key path as Python would index it, e.g. ``.inner_states['x'].inner_state``."""
+    parts = []
+    for key in path:
+        if isinstance(key, (optax.tree_utils.NamedTupleKey, jax.tree_util.GetAttrKey)):
+            parts.append(f".{key.name}")
+        elif isinstance(key, jax.tree_util.DictKey):
+            parts.append(f"[{key.key!r}]")
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(f"[{key.idx}]")
+        else:
+            parts.append(jax.tree_util.keystr((key,)))
+    return "".join(parts)
+
+
+def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
+    """The loss-scale state inside a (possibly nested) optax state.
+
+    Finds the :func:`with_loss_scaling` state inside ``optax.chain``, ``MultiSteps``,
+    ``inject_hyperparams``, ``masked`` / ``multi_transform``, a flax ``TrainState`` (or its
+    ``opt_state``) and a ``flax.nnx.Optimizer`` (or its ``opt_state``).
+
+    Args:
+      opt_state: an optimizer state, TrainState or nnx Optimizer.
+      path: when there are several loss scales, which one: its key path as listed in the
+        error message (e.g. ``".inner_states['generator'].inner_state"``), or any part of
+        it that only one of them contains (e.g. ``"['generator']"``).
+
+    Returns:
+      The loss-scale state (its leaves as arrays).
+
+    Raises:
+      ValueError: if there is no loss scale, or several and ``path`` does not pick one.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import loss_scaling as ls
+      >>> tx = optax.chain(ls.with_loss_scaling(optax.adam(1e-3)), optax.identity())
+      >>> float(ls.get_loss_scale(tx.init(jnp.zeros(3))).loss_scale)
+      32768.0
+    """
+    return _get_wrapper_state(opt_state, path).scaler
+
+
+def _get_wrapper_state(opt_state: Any, path: str | None) -> LossScalingState:
+    found = _all_loss_scaling_states(opt_state)
+    if path is not None:
+        exact = [(p, s) for p, s in found if p == path]
+        found = exact or [(p, s) for p, s in found if path in p]
+    if len(found) == 1:
+        return found[0][1]
+    if not found:
+        where = "" if path is None else f" at path {path!r}"
+        raise ValueError(
+            f"No loss scale found{where} in this optimizer state: build the optimizer with "
+            "`loss_scaling.with_loss_scaling(...)` and pass its state (or a TrainState / "
+            "nnx.Optimizer holding it).")
+    paths = ", ".join(repr(p) for p, _ in found)
+    raise ValueError(
+        f"Found {len(found)} loss scales, at paths {paths}: pass `path=` with one of them.")
+
+
+def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
+    """Arrays to log, read from the state without a host sync.
+
+    Args:
+      opt_state: as for :func:`get_loss_scale`.
+      path: as for :func:`get_loss_scale`.
+
+    Returns:
+      ``loss_scale``; ``growth_tracker`` (0 for non-dynamic scales); ``skipped_steps``,
+      ``consecutive_skips`` and ``last_step_finite``; ``nonfinite_loss_steps`` (skips
+      caused by a non-finite ``loss=``); ``nonfinite_grad_leaves``, the number of
+      gradient leaves that were non-finite on the most recent skipped step.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import loss_scaling as ls
+      >>> opt_state = ls.with_loss_scaling(optax.sgd(1.0)).init(jnp.zeros(2))
+      >>> {k: v.item() for k, v in ls.metrics(opt_state).items()}  # doctest: +NORMALIZE_WHITESPACE
+      {'loss_scale': 32768.0, 'growth_tracker': 0, 'skipped_steps': 0,
+       'consecutive_skips': 0, 'last_step_finite': True, 'nonfinite_loss_steps': 0,
+       'nonfinite_grad_leaves': 0}
+    """
+    state = _get_wrapper_state(opt_state, path)
+    scaler = state.scaler
+    tracker = getattr(scaler, "growth_tracker", None)
+    return {
+        "loss_scale": jnp.asarray(scaler.loss_scale),
+        "growth_tracker": jnp.zeros((), jnp.int32) if tracker is None else tracker,
+        "skipped_steps": state.skipped_steps,
+        "consecutive_skips": state.consecutive_skips,
+        "last_step_finite": state.last_step_finite,
+        "nonfinite_loss_steps": state.nonfinite_loss_steps,
+        "nonfinite_grad_leaves": jnp.sum(state.nonfinite_grads, axis=-1, dtype=jnp.int32),
+    }
+
+
+def nonfinite_grad_paths(opt_state: Any, params: Any, path: str | None = None) -> list[str]:
+    """The gradient leaves that were non-finite on the most recent skipped step.
+
+    A host-side helper for logs and debugging (it reads the flags, so it syncs): the
+    flags themselves are ``LossScalingState.nonfinite_grads``, updated in-graph, one per
+    params leaf; ``params`` (or any tree of the same structure) gives their names.
+
+    Args:
+      opt_state: as for :func:`get_loss_scale`.
+      params: the params (only their structure is used).
+      path: as for :func:`get_loss_scale`.
+
+    Returns:
+      Dotted key paths of the flagged leaves, e.g. ``["decoder.w"]``; empty if none.
+
+    Raises:
+      ValueError: if ``params`` does not have one leaf per flag.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import loss_scaling as ls
+      >>> tx = ls.with_loss_scaling(optax.sgd(1.0))
+      >>> params = {"enc": {"w": jnp.ones(2)}, "dec": {"w": jnp.ones(2)}}
+      >>> opt_state = tx.init(params)
+      >>> grads = {"enc": {"w": jnp.ones(2)}, "dec": {"w": jnp.array([1.0, jnp.nan])}}
+      >>> _, opt_state = tx.update(grads, opt_state, params)
+      >>> ls.nonfinite_grad_paths(opt_state, params)
+      ['dec.w']
+    """
+    flags = np.asarray(_get_wrapper_state(opt_state, path).nonfinite_grads)
+    names = leaf_names(params)
+    if flags.shape[-1:] != (len(names),):
+        raise ValueError(
+            f"params has {len(names)} leaves but the optimizer state holds "
+            f"{flags.shape[-1] if flags.ndim else 0} non-finite flags: pass the params the "
+            "optimizer was initialised with.")
+    flagged = [bool(f) for f in flags.reshape(-1, len(names)).any(axis=0)]  # any replica
+    return [name for name, flag in zip(names, flagged, strict=True) if flag]
