@@ -40,10 +40,11 @@ def main() -> None:
         state = tx.init(params)
         updates, _ = jax.jit(tx.update)(bad, state, params)
         plain = optax.apply_updates(params, updates)
-        fused, _ = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))(bad, state, params)
+        fused, _ = jax.jit(lambda g, s, p, tx=tx: ls.apply_gradients(tx, g, s, p))(
+            bad, state, params)
         same = all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
                    for out in (plain, fused)
-                   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(params)))
+                   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(params), strict=True))
         print(f"skip={skip}: skipped step bit-identical on plain and fused paths: {same}")
 
 

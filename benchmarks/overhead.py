@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"params={n_params / 1e6:.1f}M leaves={len(params0)} rounds={args.rounds} "
           f"steps/round={args.steps}")
     print(f"bare optax.adam median step: {base * 1e3:.2f} ms")
-    print(f"| variant | time / bare adam | XLA temp bytes |\n|---|---:|---:|")
+    print("| variant | time / bare adam | XLA temp bytes |\n|---|---:|---:|")
     results = {}
     for name in variants:
         ratio = statistics.median(times[name]) / base

@@ -20,11 +20,10 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import optax
+from overhead import SCALE, make_params  # type: ignore[import-not-found]
 
 import loss_scaling as ls
 from loss_scaling import tree
-
-from overhead import SCALE, make_params  # type: ignore[import-not-found]
 
 
 def isfinite_all(grads, factor, axis_name=None):
