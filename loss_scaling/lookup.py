@@ -172,5 +172,7 @@ def nonfinite_grad_paths(opt_state: Any, params: Any, path: str | None = None) -
             f"params has {len(names)} leaves but the optimizer state holds "
             f"{flags.shape[-1] if flags.ndim else 0} non-finite flags: pass the params the "
             "optimizer was initialised with.")
+    if not names:  # an empty params tree: reshape(-1, 0) would fail
+        return []
     flagged = np.atleast_1d(flags.reshape(-1, len(names)).any(axis=0)).tolist()  # any replica
     return [name for name, flag in zip(names, flagged, strict=True) if flag]

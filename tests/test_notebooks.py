@@ -21,9 +21,10 @@ PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
 CELL_TIMEOUT_S = 120
 
 
-def test_both_notebooks_exist():
+def test_all_notebooks_exist():
     assert [p.name for p in PATHS] == [
-        "01_scaler_dynamics.ipynb", "02_mixed_precision_training.ipynb"]
+        "01_scaler_dynamics.ipynb", "02_mixed_precision_training.ipynb",
+        "03_diagnostics_and_guards.ipynb"]
 
 
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)

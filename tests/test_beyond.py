@@ -1,0 +1,725 @@
+"""Beyond other scalers (issue 7): overflow diagnostics, the skip guard, non-finite losses,
+several loss scales in one optimizer, and the float16 / bfloat16 switch.
+
+Every feature eagerly and under ``jit`` (with donation where a step is jitted), through the
+plain optax path (``tx.update`` + ``apply_updates``), the fused ``ls.apply_gradients`` and
+``ls.TrainState``; and the README's snippets for these features, executed verbatim from this
+file (and checked to be in README.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import pathlib
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import loss_scaling as ls
+from loss_scaling import scalers as ls_scalers
+from loss_scaling import tree as ls_tree
+
+NAN, INF = float("nan"), float("inf")
+README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+DONATING_JIT = functools.partial(jax.jit, donate_argnums=(1, 2))
+EAGER_OR_DONATING_JIT = pytest.mark.parametrize(
+    "maybe_jit", [lambda f: f, DONATING_JIT], ids=["eager", "jit_donate"])
+PATHS = pytest.mark.parametrize("path", ["plain", "fused", "train_state"])
+
+
+def make_step(tx, path):
+    """``step(grads, opt_state, params, loss=None) -> (params, opt_state)`` by one path."""
+
+    def step(grads, opt_state, params, loss=None):
+        extra = {} if loss is None else {"loss": loss}
+        if path == "plain":
+            updates, opt_state = tx.update(grads, opt_state, params, **extra)
+            return optax.apply_updates(params, updates), opt_state
+        if path == "fused":
+            return ls.apply_gradients(tx, grads, opt_state, params, **extra)
+        state = ls.TrainState(step=0, apply_fn=None, params=params, tx=tx, opt_state=opt_state)
+        state = state.apply_gradients(grads=grads, loss=loss)
+        return state.params, state.opt_state
+
+    return step
+
+
+def bits(tree):
+    return [np.atleast_1d(np.asarray(x)).view(np.uint8).copy() for x in jax.tree.leaves(tree)]
+
+
+def assert_bit_identical(a_bits, tree):
+    b_bits = bits(tree)
+    assert len(a_bits) == len(b_bits)
+    for a, b in zip(a_bits, b_bits, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def count_ops(hlo_text):
+    """Instructions per opcode in an HLO module's text."""
+    ops = collections.Counter()
+    for line in hlo_text.splitlines():
+        match = re.search(r" = \S+ ([a-z][\w-]*)\(", line)
+        if match:
+            ops[match.group(1)] += 1
+    return ops
+
+
+# ------------------------------------------------------------------ overflow diagnostics
+
+def nested_params():
+    # jax.tree.leaves order: dec.b, dec.w, enc.b, enc.w, head.0, head.1
+    return {
+        "enc": {"w": jnp.full((3, 2), 0.5), "b": jnp.zeros(2)},
+        "dec": {"w": jnp.full((2, 2), -0.25), "b": jnp.ones(2)},
+        "head": [jnp.ones(2), jnp.full((2,), 2.0)],
+    }
+
+
+def grads_with(bad):
+    """Finite gradients except for the leaves named in ``bad`` (dotted path -> value)."""
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 8.0), nested_params())
+    for name, value in bad.items():
+        outer, inner = name.split(".")
+        key = int(inner) if outer == "head" else inner
+        grads[outer][key] = grads[outer][key].at[0].set(value)
+    return grads
+
+
+@EAGER_OR_DONATING_JIT
+@PATHS
+def test_per_leaf_flags_name_exactly_the_bad_leaves(maybe_jit, path):
+    tx = ls.with_loss_scaling(optax.sgd(0.5), ls.DynamicLossScale(init_scale=8.0))
+    params = nested_params()
+    opt_state = tx.init(params)
+    assert opt_state.nonfinite_grads.dtype == jnp.bool_
+    assert opt_state.nonfinite_grads.tolist() == [False] * 6
+    step = maybe_jit(make_step(tx, path))
+
+    # A skip: exactly enc.b (inf) and head.1 (NaN) are flagged.
+    before = bits(params)
+    params, opt_state = step(grads_with({"enc.b": INF, "head.1": NAN}), opt_state, params)
+    assert_bit_identical(before, params)
+    assert opt_state.nonfinite_grads.tolist() == [False, False, True, False, False, True]
+    assert ls.nonfinite_grad_paths(opt_state, params) == ["enc.b", "head.1"]
+    count = ls.metrics(opt_state)["nonfinite_grad_leaves"]
+    assert isinstance(count, jax.Array) and count.dtype == jnp.int32 and int(count) == 2
+
+    # A clean step is applied and keeps the flags of the last skipped step.
+    before = bits(params)
+    params, opt_state = step(grads_with({}), opt_state, params)
+    assert bool(opt_state.last_step_finite)
+    np.testing.assert_array_equal(params["dec"]["b"], jnp.zeros(2))  # 1 - 0.5 * 8 / 4
+    assert bits(params)[0].tobytes() != before[0].tobytes()
+    assert ls.nonfinite_grad_paths(opt_state, params) == ["enc.b", "head.1"]
+    assert int(ls.metrics(opt_state)["nonfinite_grad_leaves"]) == 2
+
+    # The next skip replaces them.
+    params, opt_state = step(grads_with({"dec.w": -INF}), opt_state, params)
+    assert opt_state.nonfinite_grads.tolist() == [False, True, False, False, False, False]
+    assert ls.nonfinite_grad_paths(opt_state, params) == ["dec.w"]
+    assert int(ls.metrics(opt_state)["nonfinite_grad_leaves"]) == 1
+    assert int(ls.metrics(opt_state)["skipped_steps"]) == 2
+
+
+def test_overflow_on_unscale_is_flagged_per_leaf():
+    """A float16 leaf whose values are finite but which stays above float16's range after
+    unscaling (a tiny scale) is the overflowing leaf; the float32 leaf beside it is not."""
+    tx = ls.with_loss_scaling(optax.sgd(1.0), ls.StaticLossScale(2.0**-4))
+    params = {"a": jnp.zeros(2, jnp.float16), "b": jnp.zeros(2)}
+    opt_state = tx.init(params)
+    grads = {"a": jnp.array([60000.0, 1.0], jnp.float16), "b": jnp.array([60000.0, 1.0])}
+    params, opt_state = jax.jit(make_step(tx, "fused"))(grads, opt_state, params)
+    assert ls.nonfinite_grad_paths(opt_state, params) == ["a"]
+
+
+def test_metrics_count_is_computed_in_graph():
+    tx = ls.with_loss_scaling(optax.sgd(1.0))
+    params = nested_params()
+
+    @jax.jit
+    def step_and_count(grads, opt_state, params):
+        params, opt_state = ls.apply_gradients(tx, grads, opt_state, params)
+        return ls.metrics(opt_state)["nonfinite_grad_leaves"]
+
+    grads = grads_with({"enc.w": NAN, "dec.b": INF, "head.0": NAN})
+    assert int(step_and_count(grads, tx.init(params), params)) == 3
+
+
+def test_nonfinite_grad_paths_refuses_another_structure_and_finds_none_when_clean():
+    tx = ls.with_loss_scaling(optax.sgd(1.0))
+    params = nested_params()
+    opt_state = tx.init(params)
+    assert ls.nonfinite_grad_paths(opt_state, params) == []
+    with pytest.raises(ValueError, match="6 non-finite flags"):
+        ls.nonfinite_grad_paths(opt_state, {"w": jnp.ones(2)})
+
+
+@EAGER_OR_DONATING_JIT
+def test_integer_leaves_are_never_flagged(maybe_jit):
+    tx = ls.with_loss_scaling(optax.sgd(1.0), ls.StaticLossScale(2.0))
+    params = {"w": jnp.ones(2), "count": jnp.int32(3)}
+    opt_state = tx.init(params)
+    assert opt_state.nonfinite_grads.shape == (2,)
+    step = maybe_jit(make_step(tx, "fused"))
+    params, opt_state = step({"w": jnp.array([1.0, INF]), "count": jnp.int32(0)}, opt_state,
+                             params)
+    assert opt_state.nonfinite_grads.tolist() == [False, True]
+    assert ls.nonfinite_grad_paths(opt_state, params) == ["w"]
+    params, opt_state = step({"w": jnp.array([2.0, 4.0]), "count": jnp.int32(0)}, opt_state,
+                             params)
+    chex.assert_trees_all_equal(params, {"w": jnp.array([0.0, -1.0]), "count": jnp.int32(3)})
+
+
+@EAGER_OR_DONATING_JIT
+@PATHS
+def test_empty_params_tree(maybe_jit, path):
+    tx = ls.with_loss_scaling(optax.sgd(1.0))
+    params = {}
+    opt_state = tx.init(params)
+    assert opt_state.nonfinite_grads.shape == (0,)
+    step = maybe_jit(make_step(tx, path))
+    params, opt_state = step({}, opt_state, params)
+    assert bool(opt_state.last_step_finite)
+    params, opt_state = step({}, opt_state, params, loss=jnp.float32(NAN))  # still skipped
+    assert not bool(opt_state.last_step_finite)
+    m = ls.metrics(opt_state)
+    assert (int(m["nonfinite_grad_leaves"]), int(m["nonfinite_loss_steps"])) == (0, 1)
+    assert ls.nonfinite_grad_paths(opt_state, params) == []
+
+
+# ------------------------------------------------------------------ the skip guard
+
+def guarded(limit=3, **options):
+    return ls.with_loss_scaling(
+        optax.sgd(0.5), ls.DynamicLossScale(init_scale=1024.0, growth_interval=100),
+        max_consecutive_skips=limit, **options)
+
+
+def raises_at_runtime(maybe_jit):
+    jitted = maybe_jit is DONATING_JIT
+    return pytest.raises(jax.errors.JaxRuntimeError if jitted else ls.LossScaleError)
+
+
+@EAGER_OR_DONATING_JIT
+@PATHS
+def test_guard_fails_at_exactly_the_nth_consecutive_skip(maybe_jit, path):
+    tx = guarded(limit=3)
+    params = nested_params()
+    opt_state = tx.init(params)
+    step = maybe_jit(make_step(tx, path))
+    bad, good = grads_with({"dec.w": NAN}), grads_with({})
+    # Two skips, then a clean step resets the count; two more skips still pass.
+    for grads in (bad, bad, good, bad, bad):
+        params, opt_state = jax.block_until_ready(step(grads, opt_state, params))
+    assert int(ls.metrics(opt_state)["consecutive_skips"]) == 2
+    assert float(ls.get_loss_scale(opt_state).loss_scale) == 64.0  # 1024 / 2**4
+    with raises_at_runtime(maybe_jit) as info:
+        jax.block_until_ready(step(grads_with({"enc.b": INF, "dec.w": NAN}), opt_state, params))
+    message = str(info.value)
+    assert "3 consecutive optimizer steps skipped (max_consecutive_skips=3)" in message
+    assert "the loss scale is now 32.0" in message
+    assert "Gradient leaves non-finite on the last step: dec.w, enc.b." in message
+
+
+@EAGER_OR_DONATING_JIT
+def test_guard_names_a_nonfinite_loss(maybe_jit):
+    tx = guarded(limit=2, nonfinite_loss="skip")
+    params = nested_params()
+    opt_state = tx.init(params)
+    step = maybe_jit(make_step(tx, "fused"))
+    params, opt_state = step(grads_with({}), opt_state, params, loss=jnp.float32(INF))
+    with raises_at_runtime(maybe_jit) as info:
+        jax.block_until_ready(
+            step(grads_with({}), opt_state, params, loss=jnp.float32(NAN)))
+    message = str(info.value)
+    assert "2 consecutive optimizer steps skipped (max_consecutive_skips=2)" in message
+    assert "the loss scale is now 1024.0" in message  # "skip" leaves the scale alone
+    assert "none (the loss was non-finite)" in message
+
+
+def test_guard_limit_one_fails_on_the_first_skip_and_validates():
+    tx = guarded(limit=1)
+    params = nested_params()
+    with pytest.raises(ls.LossScaleError, match="1 consecutive"):
+        make_step(tx, "plain")(grads_with({"head.0": NAN}), tx.init(params), params)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises((ValueError, TypeError), match="max_consecutive_skips"):
+            guarded(limit=bad)
+    with pytest.raises(ValueError, match="nonfinite_loss"):
+        ls.with_loss_scaling(optax.sgd(1.0), nonfinite_loss="ignore")
+
+
+def jaxpr_text(tx, path):
+    params = nested_params()
+    return str(jax.make_jaxpr(make_step(tx, path))(grads_with({}), tx.init(params), params))
+
+
+@pytest.mark.parametrize("path", ["plain", "fused"])
+@pytest.mark.parametrize("options, has_callback", [
+    ({"runtime_check": False}, False),
+    ({"scaler": ls.DynamicLossScale(min_scale=1.0)}, False),
+    ({"scaler": ls.NoOpLossScale()}, False),
+    ({"scaler": ls.StaticLossScale(8.0)}, False),
+    ({}, True),  # the fail-closed backoff check
+    ({"runtime_check": False, "max_consecutive_skips": 5}, True),
+    ({"scaler": ls.DynamicLossScale(min_scale=1.0), "max_consecutive_skips": 5}, True),
+])
+def test_callbacks_are_compiled_only_when_asked_for(path, options, has_callback):
+    tx = ls.with_loss_scaling(optax.sgd(1.0), **options)
+    assert ("callback" in jaxpr_text(tx, path)) is has_callback
+
+
+# ------------------------------------------------------------------ non-finite losses
+
+def loss_tx(mode, hysteresis=1):
+    return ls.with_loss_scaling(
+        optax.adam(0.1),
+        ls.DynamicLossScale(init_scale=1024.0, growth_interval=3, hysteresis=hysteresis),
+        nonfinite_loss=mode)
+
+
+@EAGER_OR_DONATING_JIT
+@PATHS
+@pytest.mark.parametrize("mode", ["skip", "backoff"])
+@pytest.mark.parametrize("bad_grads", [True, False], ids=["nan_grads", "finite_grads"])
+def test_nonfinite_loss_skips_and_is_counted(maybe_jit, path, mode, bad_grads):
+    tx = loss_tx(mode)
+    params = nested_params()
+    opt_state = tx.init(params)
+    step = maybe_jit(make_step(tx, path))
+    params, opt_state = step(grads_with({}), opt_state, params, loss=jnp.float32(1.0))
+    assert int(ls.get_loss_scale(opt_state).growth_tracker) == 1
+    before = bits((params, opt_state.inner_state))
+
+    grads = grads_with({"enc.w": NAN} if bad_grads else {})
+    params, opt_state = step(grads, opt_state, params, loss=jnp.float32(NAN))
+
+    assert_bit_identical(before, (params, opt_state.inner_state))
+    m = ls.metrics(opt_state)
+    assert (int(m["nonfinite_loss_steps"]), int(m["skipped_steps"])) == (1, 1)
+    assert not bool(m["last_step_finite"])
+    scaler = ls.get_loss_scale(opt_state)
+    if mode == "skip":  # not an overflow: scale and trackers untouched
+        assert (float(scaler.loss_scale), int(scaler.growth_tracker)) == (1024.0, 1)
+    else:               # treated as an overflow
+        assert (float(scaler.loss_scale), int(scaler.growth_tracker)) == (512.0, 0)
+    assert ls.nonfinite_grad_paths(opt_state, params) == (["enc.w"] if bad_grads else [])
+
+    # A finite loss with overflowing gradients still backs off under either mode.
+    params, opt_state = step(grads_with({"dec.b": INF}), opt_state, params,
+                             loss=jnp.float32(2.0))
+    m = ls.metrics(opt_state)
+    assert (int(m["nonfinite_loss_steps"]), int(m["skipped_steps"])) == (1, 2)
+    assert float(m["loss_scale"]) == (512.0 if mode == "skip" else 256.0)
+
+
+@pytest.mark.parametrize("mode, trackers", [("skip", (0, 0)), ("backoff", (0, 1))])
+def test_skip_mode_leaves_the_hysteresis_tracker_alone(mode, trackers):
+    tx = loss_tx(mode, hysteresis=2)
+    params = nested_params()
+    step = jax.jit(make_step(tx, "fused"))
+    params, opt_state = step(grads_with({}), tx.init(params), params, jnp.float32(NAN))
+    scaler = ls.get_loss_scale(opt_state)
+    assert (int(scaler.growth_tracker), int(scaler.nonfinite_tracker)) == trackers
+    assert float(scaler.loss_scale) == 1024.0
+
+
+def test_value_and_grad_returns_the_unscaled_loss_for_the_update():
+    def loss_fn(params, x):
+        return jnp.mean(jnp.log(x @ params["w"])), x.shape[0]
+
+    tx = ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(64.0), nonfinite_loss="skip")
+    params = {"w": jnp.ones(3)}
+    opt_state = tx.init(params)
+    grad_fn = jax.jit(ls.value_and_grad(loss_fn, has_aux=True))
+    (loss, aux), grads = grad_fn(opt_state, params, jnp.ones((2, 3)))
+    assert float(loss) == pytest.approx(np.log(3.0)) and int(aux) == 2
+    np.testing.assert_allclose(grads["w"], 64.0 / 3.0 * np.ones(3), rtol=1e-6)
+    (loss, _), grads = grad_fn(opt_state, params, -jnp.ones((2, 3)))  # log(-3)
+    assert np.isnan(float(loss))
+    new_params, opt_state = ls.apply_gradients(tx, grads, opt_state, params, loss=loss)
+    chex.assert_trees_all_equal(new_params, params)
+    assert int(ls.metrics(opt_state)["nonfinite_loss_steps"]) == 1
+
+
+# ------------------------------------------------------------------ README snippets
+
+# Kept identical to README.md ("Diagnostics, guards, several losses, bfloat16"); the tests
+# below execute them.
+DIAGNOSTICS_SNIPPET = '''\
+import jax
+import jax.numpy as jnp
+import optax
+
+import loss_scaling as ls
+
+params = {"enc": {"w": jnp.ones((4, 4))}, "dec": {"w": jnp.ones((4, 2)), "b": jnp.zeros(2)}}
+tx = ls.with_loss_scaling(optax.adam(1e-3), ls.DynamicLossScale())
+opt_state = tx.init(params)
+step = jax.jit(lambda grads, opt_state, params: ls.apply_gradients(tx, grads, opt_state, params))
+
+grads = jax.tree.map(jnp.ones_like, params)
+grads["dec"]["w"] = grads["dec"]["w"].at[0, 0].set(jnp.inf)  # one overflowing leaf
+params, opt_state = step(grads, opt_state, params)           # skipped
+
+flags = opt_state.nonfinite_grads                     # [False, True, False]: tree.leaves order
+count = ls.metrics(opt_state)["nonfinite_grad_leaves"]  # 1, an array: log it without a sync
+names = ls.nonfinite_grad_paths(opt_state, params)    # ['dec.w'] (host side: it syncs)
+'''
+
+GUARD_SNIPPET = '''\
+import jax
+import jax.numpy as jnp
+import optax
+
+import loss_scaling as ls
+
+tx = ls.with_loss_scaling(optax.sgd(0.1), ls.DynamicLossScale(), max_consecutive_skips=3)
+params = {"w": jnp.ones(2)}
+opt_state = tx.init(params)
+step = jax.jit(lambda grads, opt_state, params: ls.apply_gradients(tx, grads, opt_state, params))
+
+bad = {"w": jnp.array([1.0, jnp.nan])}
+params, opt_state = step(bad, opt_state, params)  # skipped, scale 16384
+params, opt_state = step(bad, opt_state, params)  # skipped, scale 8192
+try:
+    params, opt_state = step(bad, opt_state, params)  # the 3rd skip in a row fails the step
+except jax.errors.JaxRuntimeError as error:  # called eagerly: ls.LossScaleError
+    message = str(error)  # "3 consecutive optimizer steps skipped (max_consecutive_skips=3);
+    # the loss scale is now 4096.0. Gradient leaves non-finite on the last step: w. ..."
+'''
+
+NONFINITE_LOSS_SNIPPET = '''\
+import jax
+import jax.numpy as jnp
+import optax
+
+import loss_scaling as ls
+
+tx = ls.with_loss_scaling(optax.adam(1e-3), ls.DynamicLossScale(), nonfinite_loss="skip")
+params = {"w": jnp.ones(3)}
+opt_state = tx.init(params)
+
+
+def loss_fn(params, x):
+    return jnp.mean(jnp.log(x @ params["w"]))  # NaN for a bad batch, at any loss scale
+
+
+@jax.jit
+def train_step(params, opt_state, x):
+    loss, grads = ls.value_and_grad(loss_fn)(opt_state, params, x)  # the UNSCALED loss
+    params, opt_state = ls.apply_gradients(tx, grads, opt_state, params, loss=loss)
+    return params, opt_state, loss
+
+
+params, opt_state, loss = train_step(params, opt_state, jnp.ones((4, 3)))
+params, opt_state, loss = train_step(params, opt_state, -jnp.ones((4, 3)))  # NaN: skipped
+metrics = ls.metrics(opt_state)  # nonfinite_loss_steps 1, skipped_steps 1, scale still 32768
+'''
+
+GAN_SNIPPET = '''\
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import loss_scaling as ls
+
+
+def generate(gen, z):
+    return jnp.tanh(z.astype(jnp.float16) @ gen["w"].astype(jnp.float16))  # float16 compute
+
+
+def logits(disc, x):
+    return (x.astype(jnp.float16) @ disc["w"].astype(jnp.float16)).astype(jnp.float32)[:, 0]
+
+
+def gen_loss(gen, disc, z):  # the generator wants its samples taken for real ones
+    return jnp.mean(jax.nn.softplus(-logits(disc, generate(gen, z))))
+
+
+def disc_loss(disc, gen, z, real):
+    fake = jax.lax.stop_gradient(generate(gen, z))
+    return jnp.mean(jax.nn.softplus(-logits(disc, real)) + jax.nn.softplus(logits(disc, fake)))
+
+
+tx = optax.multi_transform(
+    {"gen": ls.with_loss_scaling(optax.adam(1e-3), ls.DynamicLossScale()),
+     "disc": ls.with_loss_scaling(optax.adam(1e-3), ls.DynamicLossScale())},
+    {"gen": "gen", "disc": "disc"},  # labels: a prefix of params
+)
+params = {"gen": {"w": jnp.full((2, 4), 0.1)}, "disc": {"w": jnp.full((4, 1), 0.1)}}
+opt_state = tx.init(params)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def train_step(params, opt_state, z, real):
+    gen_scale = ls.get_loss_scale(opt_state, path="['gen']")
+    disc_scale = ls.get_loss_scale(opt_state, path="['disc']")
+    _, gen_grads = ls.value_and_grad(gen_loss)(gen_scale, params["gen"], params["disc"], z)
+    _, disc_grads = ls.value_and_grad(disc_loss)(
+        disc_scale, params["disc"], params["gen"], z, real)
+    grads = {"gen": gen_grads, "disc": disc_grads}  # each scaled by its own factor
+    params, opt_state = ls.apply_gradients(tx, grads, opt_state, params)  # each skips alone
+    metrics = {name: ls.metrics(opt_state, path=f"['{name}']") for name in ("gen", "disc")}
+    return params, opt_state, metrics
+
+
+z, real = jnp.ones((8, 2)), jnp.ones((8, 4))
+params, opt_state, metrics = train_step(params, opt_state, z, real)
+'''
+
+DTYPE_SNIPPET = '''\
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import loss_scaling as ls
+
+
+def make_train_step(compute_dtype):
+    tx = ls.with_loss_scaling(optax.adam(1e-3), ls.loss_scale_for(compute_dtype))
+
+    def loss_fn(params, x, y):
+        pred = x.astype(compute_dtype) @ params["w"].astype(compute_dtype)
+        return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, x, y):
+        loss, grads = ls.value_and_grad(loss_fn)(opt_state, params, x, y)
+        params, opt_state = ls.apply_gradients(tx, grads, opt_state, params, loss=loss)
+        return params, opt_state, loss
+
+    return tx, train_step
+
+
+scales = {}
+for compute_dtype in (jnp.float16, jnp.bfloat16):
+    tx, train_step = make_train_step(compute_dtype)
+    params = {"w": jnp.zeros((4, 1))}
+    opt_state = tx.init(params)
+    x, y = jnp.full((8, 4), 0.5), jnp.ones((8, 1))
+    params, opt_state, loss = train_step(params, opt_state, x, y)
+    scales[jnp.dtype(compute_dtype).name] = ls.get_loss_scale(opt_state)
+# {'float16': DynamicLossScale(loss_scale=32768.0, ...), 'bfloat16': NoOpLossScale()}
+'''
+
+SNIPPETS = {"diagnostics": DIAGNOSTICS_SNIPPET, "guard": GUARD_SNIPPET,
+            "nonfinite_loss": NONFINITE_LOSS_SNIPPET, "gan": GAN_SNIPPET, "dtype": DTYPE_SNIPPET}
+
+
+def run_snippet(name):
+    ns: dict = {}
+    exec(SNIPPETS[name], ns)
+    return ns
+
+
+@pytest.mark.parametrize("name", SNIPPETS)
+def test_readme_contains_the_snippet_verbatim(name):
+    assert f"```python\n{SNIPPETS[name]}```" in README
+
+
+def test_readme_diagnostics_snippet():
+    ns = run_snippet("diagnostics")
+    assert ns["flags"].tolist() == [False, True, False]
+    assert isinstance(ns["count"], jax.Array) and int(ns["count"]) == 1
+    assert ns["names"] == ["dec.w"]
+    assert not bool(ls.metrics(ns["opt_state"])["last_step_finite"])
+
+
+def test_readme_guard_snippet():
+    ns = run_snippet("guard")
+    assert "3 consecutive optimizer steps skipped (max_consecutive_skips=3)" in ns["message"]
+    assert "the loss scale is now 4096.0" in ns["message"]
+    assert "non-finite on the last step: w." in ns["message"]
+
+
+def test_readme_nonfinite_loss_snippet():
+    ns = run_snippet("nonfinite_loss")
+    m = ns["metrics"]
+    assert np.isnan(float(ns["loss"]))
+    assert (int(m["nonfinite_loss_steps"]), int(m["skipped_steps"])) == (1, 1)
+    assert float(m["loss_scale"]) == 32768.0 and int(m["growth_tracker"]) == 1
+
+
+def test_readme_gan_snippet_backs_off_only_the_overflowing_scaler():
+    ns = run_snippet("gan")
+    train_step, params, opt_state = ns["train_step"], ns["params"], ns["opt_state"]
+    z, real = ns["z"], ns["real"]
+    assert all(bool(m["last_step_finite"]) for m in ns["metrics"].values())
+    for _ in range(2):
+        params, opt_state, metrics = train_step(params, opt_state, z, real)
+
+    # Outliers in the real batch: the discriminator's float16 backward pass overflows at
+    # 2**15; the generator's loss does not see the real batch.
+    gen_before, disc_before = bits(params["gen"]), bits(params["disc"])
+    outliers = jnp.full((8, 4), -1e4)
+    params, opt_state, metrics = train_step(params, opt_state, z, outliers)
+    assert not bool(metrics["disc"]["last_step_finite"])
+    assert bool(metrics["gen"]["last_step_finite"])
+    assert float(metrics["disc"]["loss_scale"]) == 2.0**14
+    assert float(metrics["gen"]["loss_scale"]) == 2.0**15
+    assert_bit_identical(disc_before, params["disc"])
+    assert bits(params["gen"])[0].tobytes() != gen_before[0].tobytes()
+    assert ls.nonfinite_grad_paths(opt_state, params["disc"], path="['disc']") == ["w"]
+    assert int(metrics["disc"]["nonfinite_grad_leaves"]) == 1
+    assert int(metrics["gen"]["nonfinite_grad_leaves"]) == 0
+
+    # Each scaler backs off on its own until its loss fits; the other keeps its scale.
+    for _ in range(30):
+        params, opt_state, metrics = train_step(params, opt_state, z, outliers)
+        if bool(metrics["disc"]["last_step_finite"]):
+            break
+    assert bool(metrics["disc"]["last_step_finite"])
+    assert float(metrics["disc"]["loss_scale"]) < 2.0**14
+    assert float(metrics["gen"]["loss_scale"]) == 2.0**15
+    assert int(metrics["gen"]["skipped_steps"]) == 0
+    chex.assert_tree_all_finite(params)
+    assert float(ls.get_loss_scale(opt_state, path="['gen']").loss_scale) == 2.0**15
+
+
+def test_readme_dtype_snippet():
+    ns = run_snippet("dtype")
+    assert isinstance(ns["scales"]["float16"], ls.DynamicLossScale)
+    assert float(ns["scales"]["float16"].loss_scale) == 2.0**15
+    assert isinstance(ns["scales"]["bfloat16"], ls.NoOpLossScale)
+
+
+# ------------------------------------------------------------------ the bfloat16 switch
+
+def mlp_loss(params, x, dtype):
+    h = jnp.tanh(x.astype(dtype) @ params["w1"].astype(dtype))
+    return jnp.mean((h @ params["w2"].astype(dtype)).astype(jnp.float32) ** 2)
+
+
+MLP_PARAMS = {"w1": jnp.full((4, 8), 0.1), "w2": jnp.full((8, 2), 0.2)}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@EAGER_OR_DONATING_JIT
+def test_loss_scale_for_in_a_wrapper_train_step(dtype, maybe_jit):
+    tx = ls.with_loss_scaling(optax.sgd(0.1), ls.loss_scale_for(dtype, init_scale=2.0**10))
+    params = jax.tree.map(jnp.copy, MLP_PARAMS)  # donated under jit
+    opt_state = tx.init(params)
+    x = jnp.ones((4, 4))
+    loss_fn = functools.partial(mlp_loss, x=x, dtype=dtype)
+
+    def step(x, opt_state, params):
+        loss, grads = ls.value_and_grad(loss_fn)(opt_state, params)
+        return (loss, grads), *ls.apply_gradients(tx, grads, opt_state, params, loss=loss)
+
+    (loss, grads), new_params, opt_state = maybe_jit(step)(x, opt_state, params)
+    plain = jax.grad(loss_fn)(MLP_PARAMS)
+    if dtype == jnp.bfloat16:  # NoOp: the gradients are the plain ones (bit for bit eagerly)
+        assert isinstance(ls.get_loss_scale(opt_state), ls.NoOpLossScale)
+        chex.assert_trees_all_close(grads, plain, rtol=1e-2)
+        if maybe_jit is not DONATING_JIT:
+            chex.assert_trees_all_equal(grads, plain)
+        assert float(ls.metrics(opt_state)["loss_scale"]) == 1.0
+    else:                      # Dynamic: scaled by 2**10, and grows its tracker
+        assert int(ls.get_loss_scale(opt_state).growth_tracker) == 1
+        chex.assert_trees_all_close(jax.tree.map(lambda g: g / 2.0**10, grads), plain,
+                                    rtol=1e-2)
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, MLP_PARAMS, plain)
+    chex.assert_trees_all_close(new_params, expected, rtol=1e-2)
+    assert float(loss) == pytest.approx(float(loss_fn(MLP_PARAMS)), rel=1e-2)
+
+
+def noop_step(tx, use_scale):
+    def step(params, opt_state, x):
+        loss_fn = functools.partial(mlp_loss, x=x, dtype=jnp.bfloat16)
+        if use_scale:
+            s = ls.get_loss_scale(opt_state)
+            grads = jax.grad(lambda p: ls.scale(s, loss_fn(p)))(params)
+        else:
+            grads = jax.grad(loss_fn)(params)
+        return ls.apply_gradients(tx, grads, opt_state, params)
+
+    return step
+
+
+def compiled_ops(step, tx):
+    return count_ops(jax.jit(step).lower(MLP_PARAMS, tx.init(MLP_PARAMS), jnp.ones((4, 4)))
+                     .compile().as_text())
+
+
+def jaxpr_of(step, tx):
+    return str(jax.make_jaxpr(step)(MLP_PARAMS, tx.init(MLP_PARAMS), jnp.ones((4, 4))))
+
+
+@pytest.mark.parametrize("path", ["plain", "fused"])
+def test_noop_scale_unscale_and_update_add_no_ops_to_the_wrapper_step(monkeypatch, path):
+    """With NoOpLossScale, a wrapper step written with ``ls.scale`` compiles to the same
+    HLO op counts as one written without, and taking ``unscale`` and ``update`` out of the
+    wrapper changes nothing either. What remains is the wrapper's skip check (a reduction
+    per leaf and a conditional), by design."""
+
+    def step_with(tx, use_scale):
+        step = noop_step(tx, use_scale)
+        if path == "fused":
+            return step
+
+        def plain(params, opt_state, x):  # the same gradients, the optax contract
+            grads = jax.grad(lambda p: mlp_loss(p, x, jnp.bfloat16))(params)
+            if use_scale:
+                s = ls.get_loss_scale(opt_state)
+                grads = jax.grad(lambda p: ls.scale(s, mlp_loss(p, x, jnp.bfloat16)))(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return plain
+
+    noop = ls.with_loss_scaling(optax.sgd(0.1), ls.NoOpLossScale())
+    static = ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(2.0))
+    with_scale = {"noop": compiled_ops(step_with(noop, True), noop),
+                  "static": compiled_ops(step_with(static, True), static)}
+    assert with_scale["noop"] == compiled_ops(step_with(noop, False), noop)
+    noop_jaxpr = jaxpr_of(step_with(noop, True), noop)
+
+    monkeypatch.setattr(ls_tree, "unscale", lambda state, grads: grads)
+    monkeypatch.setattr(ls_scalers, "update", lambda state, finite, **_: state)
+    jax.clear_caches()
+    without = {"noop": compiled_ops(step_with(noop, True), noop),
+               "static": compiled_ops(step_with(static, True), static)}
+    assert with_scale["noop"] == without["noop"]
+    assert noop_jaxpr == jaxpr_of(step_with(noop, True), noop)  # not even before XLA
+    # The comparison can see an unscale: with a static scale, taking it out removes ops.
+    assert sum(without["static"].values()) < sum(with_scale["static"].values())
+    assert with_scale["noop"]["divide"] == 0
+
+
+def test_noop_jaxpr_has_no_scaling_arithmetic():
+    """In the jaxpr too: the NoOp step's equations are the plain step's."""
+    noop = ls.with_loss_scaling(optax.sgd(0.1), ls.NoOpLossScale())
+    opt_state, x = noop.init(MLP_PARAMS), jnp.ones((4, 4))
+    jaxprs = [jax.make_jaxpr(noop_step(noop, use_scale))(MLP_PARAMS, opt_state, x)
+              for use_scale in (True, False)]
+    assert str(jaxprs[0]) == str(jaxprs[1])
+
+
+@EAGER_OR_DONATING_JIT
+@PATHS
+def test_noop_wrapper_still_skips_nonfinite_steps(maybe_jit, path):
+    tx = ls.with_loss_scaling(optax.adam(0.1), ls.loss_scale_for(jnp.bfloat16))
+    params = nested_params()
+    opt_state = tx.init(params)
+    step = maybe_jit(make_step(tx, path))
+    before = bits((params, opt_state.inner_state))
+    params, opt_state = step(grads_with({"head.1": NAN}), opt_state, params)
+    assert_bit_identical(before, (params, opt_state.inner_state))
+    assert ls.nonfinite_grad_paths(opt_state, params) == ["head.1"]
+    params, opt_state = step(grads_with({}), opt_state, params)
+    assert bool(opt_state.last_step_finite)
+    assert int(ls.metrics(opt_state)["skipped_steps"]) == 1
+    assert isinstance(ls.get_loss_scale(opt_state), ls.NoOpLossScale)
