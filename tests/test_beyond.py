@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from bitwise import assert_bit_identical, bits
 
 import loss_scaling as ls
 from loss_scaling import scalers as ls_scalers
@@ -51,15 +52,6 @@ def make_step(tx, path):
     return step
 
 
-def bits(tree):
-    return [np.atleast_1d(np.asarray(x)).view(np.uint8).copy() for x in jax.tree.leaves(tree)]
-
-
-def assert_bit_identical(a_bits, tree):
-    b_bits = bits(tree)
-    assert len(a_bits) == len(b_bits)
-    for a, b in zip(a_bits, b_bits, strict=True):
-        np.testing.assert_array_equal(a, b)
 
 
 def count_ops(hlo_text):

@@ -192,7 +192,7 @@ def test_data_is_deterministic_and_splits_differ():
 def test_readme_demo_section_snippet_runs():
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme[readme.index("<!-- section: demo -->"):
-                     readme.index("<!-- section: performance -->")]
+                     readme.index("<!-- section: beyond -->")]
     snippets = re.findall(r"```python\n(.*?)```", section, re.S)
     assert len(snippets) == 1
     namespace: dict = {}

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from bitwise import assert_bit_identical, bits
 from flax import nnx
 from flax.training import train_state
 
@@ -44,15 +45,6 @@ def fused_step(tx):
     return lambda grads, opt_state, params: ls.apply_gradients(tx, grads, opt_state, params)
 
 
-def bits(tree):
-    return [np.atleast_1d(np.asarray(x)).view(np.uint8).copy() for x in jax.tree.leaves(tree)]
-
-
-def assert_bit_identical(a_bits, tree):
-    b_bits = bits(tree)
-    assert len(a_bits) == len(b_bits)
-    for a, b in zip(a_bits, b_bits, strict=True):
-        np.testing.assert_array_equal(a, b)
 
 
 def wrapped(init_scale=64.0, inner=None):

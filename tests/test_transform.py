@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from bitwise import assert_bit_identical, bits
 
 import loss_scaling as ls
 
@@ -52,16 +53,6 @@ def fused_step(tx):
 STEPS = {"plain": plain_step, "fused": fused_step}
 
 
-def bits(tree):
-    """Host copies of every leaf's bytes (survives donation of the device buffers)."""
-    return [np.atleast_1d(np.asarray(x)).view(np.uint8).copy() for x in jax.tree.leaves(tree)]
-
-
-def assert_bit_identical(a_bits, tree):
-    b_bits = bits(tree)
-    assert len(a_bits) == len(b_bits)
-    for a, b in zip(a_bits, b_bits, strict=True):
-        np.testing.assert_array_equal(a, b)
 
 
 def scaled(tree, factor, dtype=None):
