@@ -214,7 +214,3 @@ def unscaled_finite_leaves(
         stacked = lax.pmin(stacked.astype(jnp.int32), axis_name) == 1
     return jax.tree.unflatten(treedef, list(stacked)), stacked.all()
 
-
-def unscaled_all_finite(tree: Any, factor: jax.Array, axis_name: AxisName = None) -> jax.Array:
-    """Whether ``unscale`` of ``tree`` by ``factor`` would be finite (see above)."""
-    return unscaled_finite_leaves(tree, factor, axis_name)[1]
