@@ -60,7 +60,7 @@ __all__ = [
 
 DEFAULT_STEPS = 1000
 DEFAULT_SEED = 0
-DEFAULT_OUT = "loss_scaling_demo.png"
+DEFAULT_OUT = "demo_out/loss_scaling_demo.png"  # demo_out/ is in .gitignore
 
 NUM_EXAMPLES = 4096  # training set = one full batch; the loss is the mean over it
 NUM_CLASSES = 3
@@ -442,6 +442,9 @@ def save_figure(results: Sequence[RunResult], path: str | os.PathLike[str]) -> N
     draw_results(results, fig.subplots(1, 3))
     fig.suptitle("float16 training: without loss scaling the lower layers get zero "
                  "gradients; with it, float16 matches float32")
+    directory = os.path.dirname(os.fspath(path))
+    if directory:
+        os.makedirs(directory, exist_ok=True)
     fig.savefig(os.fspath(path), format="png")
 
 
@@ -464,7 +467,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
                         help="seed of the generated data and of the initialisation")
     parser.add_argument("--out", default=DEFAULT_OUT,
-                        help="where to save the PNG (loss curves, zero gradients, loss scale)")
+                        help="where to save the PNG (loss curves, zero gradients, loss scale); "
+                             "missing folders are created")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return parser
 

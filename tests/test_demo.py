@@ -12,6 +12,7 @@ import dataclasses
 import io
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -142,6 +143,28 @@ def test_without_matplotlib_the_demo_still_reports(demo_run, tmp_path, capsys, m
     assert "fp16+ls" in captured.out
     assert "matplotlib is not installed" in captured.out
     assert not out.exists()
+
+
+def test_the_default_picture_goes_to_a_folder_git_ignores(demo_run, tmp_path, capsys,
+                                                           monkeypatch):
+    # Run from a scratch folder: the default path is relative and its folder is created.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(demo, "run", lambda **kwargs: demo_run.results)
+    assert demo.main(["--steps", "30"]) == 0
+    saved = tmp_path / "demo_out" / "loss_scaling_demo.png"
+    assert saved.read_bytes().startswith(PNG_MAGIC)
+    assert f"saved the picture to {saved}" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == ["demo_out"]  # nothing else written
+
+
+def test_the_default_picture_path_is_ignored_by_git():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    assert demo.DEFAULT_OUT == "demo_out/loss_scaling_demo.png"
+    if not (root / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout")
+    result = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", demo.DEFAULT_OUT],
+                            check=False)
+    assert result.returncode == 0, f"{demo.DEFAULT_OUT} is not ignored by .gitignore"
 
 
 def test_text_progress_bar_without_tqdm(capsys, monkeypatch):

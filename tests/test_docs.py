@@ -1,0 +1,171 @@
+"""The README and the docs site: every code block runs, and the site builds with -W.
+
+The code-block convention (README.md and every docs/*.md page; parsing in doc_blocks.py):
+
+* A fenced block whose info string is exactly ``python`` is a complete program: it runs here
+  on its own, in a fresh namespace (``__name__ == "__main__"``) and a scratch working
+  directory, with warnings as errors (pytest's ``filterwarnings = error``). Keep such blocks
+  small: a few steps of a tiny model.
+* Other blocks are shown, never run: ```` ```bash ```` (commands), ```` ```text ```` (output),
+  and ```` ```{code-block} python ```` (another library's code, on docs/migrating.md).
+* An HTML comment on the line right above a fence gives options, comma separated; GitHub and
+  Sphinx hide it:
+
+  - ``<!-- block: name=NAME -->``: other tests find the block with ``doc_blocks.named(page,
+    NAME)`` and assert on the namespace it leaves (one run per session, shared with the runner);
+  - ``<!-- block: devices=8 -->``: the block needs 8 devices; the blocks so marked run in one
+    subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``;
+  - ``<!-- block: tested-by=PATH -->``: the block needs something a single process cannot give
+    (several processes with ``jax.distributed``); the test file PATH runs it and must name the
+    page.
+
+The site build is ``sphinx-build -W --keep-going -b html docs OUT``: a broken page, a missing
+link target, a docstring that does not parse or a page outside the toctree fails it.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import doc_blocks
+import pytest
+
+import loss_scaling as ls
+
+ROOT = doc_blocks.ROOT
+ALL_BLOCKS = doc_blocks.python_blocks()
+LOCAL_BLOCKS = [b for b in ALL_BLOCKS if not b.option("devices") and not b.option("tested-by")]
+DEVICE_BLOCKS = [b for b in ALL_BLOCKS if b.option("devices")]
+TESTED_ELSEWHERE = [b for b in ALL_BLOCKS if b.option("tested-by")]
+README = (ROOT / "README.md").read_text()
+
+
+# ------------------------------------------------------------------------ the code blocks
+
+
+@pytest.mark.parametrize("block", LOCAL_BLOCKS, ids=lambda b: b.id)
+def test_python_block_runs(block):
+    namespace = doc_blocks.namespace(block)
+    assert namespace["__name__"] == "__main__"
+
+
+@pytest.fixture(scope="module")
+def device_results():
+    by_devices: dict[int, list[doc_blocks.Block]] = {}
+    for block in DEVICE_BLOCKS:
+        by_devices.setdefault(int(block.option("devices")), []).append(block)
+    results = {}
+    for devices, selected in by_devices.items():
+        results.update(doc_blocks.run_in_subprocess(selected, devices))
+    return results
+
+
+@pytest.mark.parametrize("block", DEVICE_BLOCKS, ids=lambda b: b.id)
+def test_python_block_runs_on_virtual_devices(block, device_results):
+    assert device_results[block.id] is None, f"{block.id} raised:\n{device_results[block.id]}"
+
+
+@pytest.mark.parametrize("block", TESTED_ELSEWHERE, ids=lambda b: b.id)
+def test_python_block_tested_elsewhere_names_its_page(block):
+    test_file = ROOT / block.option("tested-by")
+    assert test_file.is_file(), f"{block.id}: tested-by={test_file} does not exist"
+    assert Path(block.page).name in test_file.read_text(), (
+        f"{test_file} must run the blocks of {block.page} (it does not name the page)")
+
+
+def test_every_python_fence_is_a_block_that_runs():
+    # An indented fence (inside a list item) would be missed by the runner: forbid it.
+    for page in doc_blocks.pages():
+        fences = [line for line in (ROOT / page).read_text().splitlines()
+                  if line.strip() == "```python"]
+        assert len(fences) == len(doc_blocks.python_blocks(page)), (
+            f"{page}: a ```python fence that does not start at the left margin")
+
+
+def test_the_pages_have_blocks_and_names_are_unique():
+    assert len(LOCAL_BLOCKS) >= 20 and DEVICE_BLOCKS
+    for page in doc_blocks.pages():
+        names = [b.option("name") for b in doc_blocks.python_blocks(page) if b.option("name")]
+        assert len(names) == len(set(names)), f"{page}: duplicate block names {names}"
+
+
+def test_markers_are_checked():
+    with pytest.raises(ValueError, match="bad block marker option 'colour=red'"):
+        doc_blocks._parse_marker("<!-- block: colour=red -->", "x.md:1")
+    assert doc_blocks._parse_marker("<!-- block: name=a, devices=8 -->", "x.md:1") == (
+        ("name", "a"), ("devices", "8"))
+    assert doc_blocks._parse_marker("<!-- section: why -->", "x.md:1") == ()
+
+
+# ------------------------------------------------------------------------------ README
+
+
+def test_readme_is_a_front_page():
+    lines = README.splitlines()
+    assert len(lines) <= 180, f"README.md has {len(lines)} lines: move detail into docs/"
+    # The two set-up commands come first, and the second is exactly what CI runs.
+    first = doc_blocks.blocks("README.md")[0]
+    assert first.info == "bash" and first.line < 15
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci in first.code
+    assert ('python3 -m venv .venv && .venv/bin/pip install -q -e ".[demo]" && '
+            ".venv/bin/python -m loss_scaling.demo") in first.code
+    for needed in ('-m "not slow"', "docs/demo.png", "ls.check(", "ls.TrainState",
+                   "ls.nnx.Optimizer", "pip install", "git+", "sphinx"):
+        assert needed in README, needed
+
+
+def test_readme_links_resolve():
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README)
+    local = [t for t in targets if "://" not in t]
+    assert local, "the README links into the docs"
+    for target in local:
+        assert (ROOT / target).exists(), f"README.md links to a missing {target}"
+
+
+# -------------------------------------------------------------------------- the site
+
+
+def test_api_page_covers_every_public_name():
+    text = (ROOT / "docs" / "api.md").read_text()
+    documented = set(re.findall(r"^\.\. auto(?:function|class|exception|data):: (\w+)",
+                                text, re.M))
+    summarized = set(re.findall(r"^   (\w+)$", text, re.M))
+    assert documented == set(ls.__all__)
+    assert summarized == set(ls.__all__)
+
+
+def test_every_page_is_in_the_toctree():
+    toctrees = [b.code for b in doc_blocks.blocks("docs/index.md") if b.info == "{toctree}"]
+    entries = {line.strip() for code in toctrees for line in code.splitlines()
+               if line.strip() and not line.startswith(":")}
+    for page in (ROOT / "docs").glob("*.md"):
+        if page.stem != "index":
+            assert page.stem in entries, f"docs/{page.name} is not in index.md's toctree"
+    for notebook in (ROOT / "notebooks").glob("*.ipynb"):
+        assert f"notebooks/{notebook.stem}" in entries, notebook.name
+
+
+def test_site_builds_with_warnings_as_errors(tmp_path):
+    out = tmp_path / "html"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+         "-d", str(tmp_path / "doctrees"), "docs", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, f"sphinx-build failed:\n{proc.stdout[-4000:]}\n" \
+                                 f"{proc.stderr[-8000:]}"
+    for page in (ROOT / "docs").glob("*.md"):
+        assert (out / f"{page.stem}.html").is_file(), page.name
+    for notebook in (ROOT / "notebooks").glob("*.ipynb"):
+        html = (out / "notebooks" / f"{notebook.stem}.html").read_text()
+        assert "<img" in html, f"{notebook.name}: rendered without its committed outputs"
+    api = (out / "api.html").read_text()
+    for name in ls.__all__:
+        assert f'id="loss_scaling.{name}"' in api, name
+    # Nothing written into the source tree by a build (no generated stubs, no caches).
+    untracked = subprocess.run(["git", "status", "--porcelain", "--", "docs"], cwd=ROOT,
+                               capture_output=True, text=True, check=False).stdout
+    assert "_autosummary" not in untracked and "jupyter_execute" not in untracked
