@@ -139,13 +139,25 @@ def _scratch_cwd():
             os.chdir(previous)
 
 
-def execute(block: Block, module_name: str = "__main__") -> dict[str, Any]:
-    """Runs ``block`` in a fresh namespace and a scratch directory; returns the namespace."""
+def execute(block: Block, module_name: str = "__main__",
+            cwd: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Runs ``block`` in a fresh namespace, in ``cwd`` (default: a scratch directory, removed
+    afterwards); returns the namespace. ``module_name`` other than ``"__main__"`` runs it as
+    an imported module would (an ``if __name__ == "__main__":`` part does not run)."""
     namespace: dict[str, Any] = {"__name__": module_name}
     # Tracebacks then show the block's lines, named PAGE:LINE.
     linecache.cache[block.id] = (len(block.code), None, block.code.splitlines(True), block.id)
-    with _scratch_cwd():
-        exec(compile(block.code, block.id, "exec"), namespace)
+    code = compile(block.code, block.id, "exec")
+    if cwd is not None:
+        previous = os.getcwd()
+        os.chdir(cwd)
+        try:
+            exec(code, namespace)
+        finally:
+            os.chdir(previous)
+    else:
+        with _scratch_cwd():
+            exec(code, namespace)
     return namespace
 
 

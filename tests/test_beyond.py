@@ -3,18 +3,18 @@ several loss scales in one optimizer, and the float16 / bfloat16 switch.
 
 Every feature eagerly and under ``jit`` (with donation where a step is jitted), through the
 plain optax path (``tx.update`` + ``apply_updates``), the fused ``ls.apply_gradients`` and
-``ls.TrainState``; and the README's snippets for these features, executed verbatim from this
-file (and checked to be in README.md).
+``ls.TrainState``; and the docs' code blocks for these features (docs/diagnostics.md,
+docs/optax_wrapper.md, docs/float16_bfloat16.md), with assertions on what they leave behind.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import pathlib
 import re
 
 import chex
+import doc_blocks
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +27,6 @@ from loss_scaling import scalers as ls_scalers
 from loss_scaling import tree as ls_tree
 
 NAN, INF = float("nan"), float("inf")
-README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 DONATING_JIT = functools.partial(jax.jit, donate_argnums=(1, 2))
 EAGER_OR_DONATING_JIT = pytest.mark.parametrize(
@@ -342,187 +341,21 @@ def test_value_and_grad_returns_the_unscaled_loss_for_the_update():
     assert int(ls.metrics(opt_state)["nonfinite_loss_steps"]) == 1
 
 
-# ------------------------------------------------------------------ README snippets
+# ---------------------------------------------------------------- the docs' blocks
 
-# Kept identical to README.md ("Diagnostics, guards, several losses, bfloat16"); the tests
-# below execute them.
-DIAGNOSTICS_SNIPPET = '''\
-import jax
-import jax.numpy as jnp
-import optax
-
-import loss_scaling as ls
-
-params = {"enc": {"w": jnp.ones((4, 4))}, "dec": {"w": jnp.ones((4, 2)), "b": jnp.zeros(2)}}
-tx = ls.with_loss_scaling(optax.adam(1e-3), ls.DynamicLossScale())
-opt_state = tx.init(params)
-step = jax.jit(lambda grads, opt_state, params: ls.apply_gradients(tx, grads, opt_state, params))
-
-grads = jax.tree.map(jnp.ones_like, params)
-grads["dec"]["w"] = grads["dec"]["w"].at[0, 0].set(jnp.inf)  # one overflowing leaf
-params, opt_state = step(grads, opt_state, params)           # skipped
-
-flags = opt_state.nonfinite_grads                     # [False, True, False]: tree.leaves order
-count = ls.metrics(opt_state)["nonfinite_grad_leaves"]  # 1, an array: log it without a sync
-names = ls.nonfinite_grad_paths(opt_state, params)    # ['dec.w'] (host side: it syncs)
-'''
-
-GUARD_SNIPPET = '''\
-import jax
-import jax.numpy as jnp
-import optax
-
-import loss_scaling as ls
-
-tx = ls.with_loss_scaling(optax.sgd(0.1), ls.DynamicLossScale(), max_consecutive_skips=3)
-params = {"w": jnp.ones(2)}
-opt_state = tx.init(params)
-step = jax.jit(lambda grads, opt_state, params: ls.apply_gradients(tx, grads, opt_state, params))
-
-bad = {"w": jnp.array([1.0, jnp.nan])}
-params, opt_state = step(bad, opt_state, params)  # skipped, scale 16384
-params, opt_state = step(bad, opt_state, params)  # skipped, scale 8192
-try:
-    params, opt_state = step(bad, opt_state, params)  # the 3rd skip in a row fails the step
-except jax.errors.JaxRuntimeError as error:  # called eagerly: ls.LossScaleError
-    message = str(error)  # "3 consecutive optimizer steps skipped (max_consecutive_skips=3);
-    # the loss scale is now 4096.0. Gradient leaves non-finite on the last step: w. ..."
-'''
-
-NONFINITE_LOSS_SNIPPET = '''\
-import jax
-import jax.numpy as jnp
-import optax
-
-import loss_scaling as ls
-
-tx = ls.with_loss_scaling(optax.adam(1e-3), ls.DynamicLossScale(), nonfinite_loss="skip")
-params = {"w": jnp.ones(3)}
-opt_state = tx.init(params)
-
-
-def loss_fn(params, x):
-    return jnp.mean(jnp.log(x @ params["w"]))  # NaN for a bad batch, at any loss scale
-
-
-@jax.jit
-def train_step(params, opt_state, x):
-    loss, grads = ls.value_and_grad(loss_fn)(opt_state, params, x)  # the UNSCALED loss
-    params, opt_state = ls.apply_gradients(tx, grads, opt_state, params, loss=loss)
-    return params, opt_state, loss
-
-
-params, opt_state, loss = train_step(params, opt_state, jnp.ones((4, 3)))
-params, opt_state, loss = train_step(params, opt_state, -jnp.ones((4, 3)))  # NaN: skipped
-metrics = ls.metrics(opt_state)  # nonfinite_loss_steps 1, skipped_steps 1, scale still 32768
-'''
-
-GAN_SNIPPET = '''\
-import functools
-
-import jax
-import jax.numpy as jnp
-import optax
-
-import loss_scaling as ls
-
-
-def generate(gen, z):
-    return jnp.tanh(z.astype(jnp.float16) @ gen["w"].astype(jnp.float16))  # float16 compute
-
-
-def logits(disc, x):
-    return (x.astype(jnp.float16) @ disc["w"].astype(jnp.float16)).astype(jnp.float32)[:, 0]
-
-
-def gen_loss(gen, disc, z):  # the generator wants its samples taken for real ones
-    return jnp.mean(jax.nn.softplus(-logits(disc, generate(gen, z))))
-
-
-def disc_loss(disc, gen, z, real):
-    fake = jax.lax.stop_gradient(generate(gen, z))
-    return jnp.mean(jax.nn.softplus(-logits(disc, real)) + jax.nn.softplus(logits(disc, fake)))
-
-
-tx = optax.multi_transform(
-    {"gen": ls.with_loss_scaling(optax.adam(1e-3), ls.DynamicLossScale()),
-     "disc": ls.with_loss_scaling(optax.adam(1e-3), ls.DynamicLossScale())},
-    {"gen": "gen", "disc": "disc"},  # labels: a prefix of params
-)
-params = {"gen": {"w": jnp.full((2, 4), 0.1)}, "disc": {"w": jnp.full((4, 1), 0.1)}}
-opt_state = tx.init(params)
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def train_step(params, opt_state, z, real):
-    gen_scale = ls.get_loss_scale(opt_state, path="['gen']")
-    disc_scale = ls.get_loss_scale(opt_state, path="['disc']")
-    _, gen_grads = ls.value_and_grad(gen_loss)(gen_scale, params["gen"], params["disc"], z)
-    _, disc_grads = ls.value_and_grad(disc_loss)(
-        disc_scale, params["disc"], params["gen"], z, real)
-    grads = {"gen": gen_grads, "disc": disc_grads}  # each scaled by its own factor
-    params, opt_state = ls.apply_gradients(tx, grads, opt_state, params)  # each skips alone
-    metrics = {name: ls.metrics(opt_state, path=f"['{name}']") for name in ("gen", "disc")}
-    return params, opt_state, metrics
-
-
-z, real = jnp.ones((8, 2)), jnp.ones((8, 4))
-params, opt_state, metrics = train_step(params, opt_state, z, real)
-'''
-
-DTYPE_SNIPPET = '''\
-import functools
-
-import jax
-import jax.numpy as jnp
-import optax
-
-import loss_scaling as ls
-
-
-def make_train_step(compute_dtype):
-    tx = ls.with_loss_scaling(optax.adam(1e-3), ls.loss_scale_for(compute_dtype))
-
-    def loss_fn(params, x, y):
-        pred = x.astype(compute_dtype) @ params["w"].astype(compute_dtype)
-        return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, x, y):
-        loss, grads = ls.value_and_grad(loss_fn)(opt_state, params, x, y)
-        params, opt_state = ls.apply_gradients(tx, grads, opt_state, params, loss=loss)
-        return params, opt_state, loss
-
-    return tx, train_step
-
-
-scales = {}
-for compute_dtype in (jnp.float16, jnp.bfloat16):
-    tx, train_step = make_train_step(compute_dtype)
-    params = {"w": jnp.zeros((4, 1))}
-    opt_state = tx.init(params)
-    x, y = jnp.full((8, 4), 0.5), jnp.ones((8, 1))
-    params, opt_state, loss = train_step(params, opt_state, x, y)
-    scales[jnp.dtype(compute_dtype).name] = ls.get_loss_scale(opt_state)
-# {'float16': DynamicLossScale(loss_scale=32768.0, ...), 'bfloat16': NoOpLossScale()}
-'''
-
-SNIPPETS = {"diagnostics": DIAGNOSTICS_SNIPPET, "guard": GUARD_SNIPPET,
-            "nonfinite_loss": NONFINITE_LOSS_SNIPPET, "gan": GAN_SNIPPET, "dtype": DTYPE_SNIPPET}
+# The blocks of docs/diagnostics.md, docs/optax_wrapper.md and docs/float16_bfloat16.md for
+# these features, found by their `<!-- block: name=... -->` markers; tests/test_docs.py runs
+# every block, and these tests assert on what each one leaves in its namespace.
+SNIPPETS = {"diagnostics": "diagnostics.md", "guard": "diagnostics.md",
+            "nonfinite_loss": "diagnostics.md", "gan": "optax_wrapper.md",
+            "dtype": "float16_bfloat16.md"}
 
 
 def run_snippet(name):
-    ns: dict = {}
-    exec(SNIPPETS[name], ns)
-    return ns
+    return doc_blocks.namespace(doc_blocks.named(SNIPPETS[name], name))
 
 
-@pytest.mark.parametrize("name", SNIPPETS)
-def test_readme_contains_the_snippet_verbatim(name):
-    assert f"```python\n{SNIPPETS[name]}```" in README
-
-
-def test_readme_diagnostics_snippet():
+def test_docs_diagnostics_snippet():
     ns = run_snippet("diagnostics")
     assert ns["flags"].tolist() == [False, True, False]
     assert isinstance(ns["count"], jax.Array) and int(ns["count"]) == 1
@@ -530,14 +363,14 @@ def test_readme_diagnostics_snippet():
     assert not bool(ls.metrics(ns["opt_state"])["last_step_finite"])
 
 
-def test_readme_guard_snippet():
+def test_docs_guard_snippet():
     ns = run_snippet("guard")
     assert "3 consecutive optimizer steps skipped (max_consecutive_skips=3)" in ns["message"]
     assert "the loss scale is now 4096.0" in ns["message"]
     assert "non-finite on the last step: w." in ns["message"]
 
 
-def test_readme_nonfinite_loss_snippet():
+def test_docs_nonfinite_loss_snippet():
     ns = run_snippet("nonfinite_loss")
     m = ns["metrics"]
     assert np.isnan(float(ns["loss"]))
@@ -545,7 +378,7 @@ def test_readme_nonfinite_loss_snippet():
     assert float(m["loss_scale"]) == 32768.0 and int(m["growth_tracker"]) == 1
 
 
-def test_readme_gan_snippet_backs_off_only_the_overflowing_scaler():
+def test_docs_gan_snippet_backs_off_only_the_overflowing_scaler():
     ns = run_snippet("gan")
     train_step, params, opt_state = ns["train_step"], ns["params"], ns["opt_state"]
     z, real = ns["z"], ns["real"]
@@ -581,7 +414,7 @@ def test_readme_gan_snippet_backs_off_only_the_overflowing_scaler():
     assert float(ls.get_loss_scale(opt_state, path="['gen']").loss_scale) == 2.0**15
 
 
-def test_readme_dtype_snippet():
+def test_docs_dtype_snippet():
     ns = run_snippet("dtype")
     assert isinstance(ns["scales"]["float16"], ls.DynamicLossScale)
     assert float(ns["scales"]["float16"].loss_scale) == 2.0**15

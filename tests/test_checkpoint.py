@@ -1,9 +1,10 @@
 """Checkpoints and resume: Orbax and flax.serialization round trips, config changes, resume.
 
 Orbax stores the loss scale's *values* (leaves); its configuration (``growth_interval`` etc.)
-is static pytree data and comes from the restore target. The README's recipe (executed here
-verbatim) therefore saves ``ls.state_dict`` as JSON next to the arrays and checks it on restore
-with ``ls.restore_loss_scale``: a changed configuration is an error unless adopted explicitly.
+is static pytree data and comes from the restore target. The recipe of docs/checkpoints.md
+(run and imported here) therefore saves ``ls.state_dict`` as JSON next to the arrays and
+checks it on restore with ``ls.restore_loss_scale``: a changed configuration is an error
+unless adopted explicitly.
 
 Run as a script (``python tests/test_checkpoint.py DIR``), this file is the fresh process of
 the resume test: it rebuilds every run from scratch, restores the checkpoints the test wrote
@@ -20,6 +21,7 @@ import pathlib
 import subprocess
 import sys
 
+import doc_blocks
 import flax.serialization
 import jax
 import jax.numpy as jnp
@@ -32,81 +34,16 @@ from flax.training import train_state
 import loss_scaling as ls
 
 INF = float("inf")
-README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-
-# The README's recipe ("Checkpoints and resume"), kept identical to README.md: the tests
-# below run these very functions.
-SAVE_RESTORE_SNIPPET = '''\
-import jax
-import orbax.checkpoint as ocp
-
-import loss_scaling as ls
-
-
-def save(mngr, step, state):
-    """`state`: any pytree holding one loss scale (a TrainState, {"params", "opt_state"}...)."""
-    mngr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        # Orbax keeps the loss scale's values, not its configuration: save that as JSON too.
-        loss_scale=ocp.args.JsonSave(ls.state_dict(ls.get_loss_scale(state))),
-    ))
-
-
-def restore(mngr, abstract_state, adopt_config=False):
-    """`abstract_state`: e.g. `jax.eval_shape(make_state)`, built from scratch on resume."""
-    restored = mngr.restore(mngr.latest_step(), args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state),
-        loss_scale=ocp.args.JsonRestore(),
-    ))
-    # The configuration comes from `abstract_state`. If it differs from the saved one this
-    # raises a ValueError, unless adopt_config=True: keep the saved scale and counters
-    # under the new configuration.
-    return ls.restore_loss_scale(restored.state, restored.loss_scale, adopt_config=adopt_config)
-'''
-
-USAGE_SNIPPET = '''\
-import pathlib
-
-import jax.numpy as jnp
-import optax
-
-
-def make_state(growth_interval=1000):  # on resume, everything is rebuilt from scratch
-    scaler = ls.DynamicLossScale(growth_interval=growth_interval)
-    tx = ls.with_loss_scaling(optax.adamw(1e-3), scaler)
-    return ls.TrainState.create(apply_fn=None, params={"w": jnp.ones((4, 1))}, tx=tx)
-
-
-state = make_state()
-state = state.apply_gradients(grads={"w": jnp.full((4, 1), jnp.inf)})  # skipped: scale 16384
-
-with ocp.CheckpointManager(pathlib.Path("checkpoints").absolute()) as mngr:
-    save(mngr, int(state.step), state)
-    mngr.wait_until_finished()
-    resumed = restore(mngr, jax.eval_shape(make_state))  # bit-identical to `state`
-    new_config = jax.eval_shape(lambda: make_state(growth_interval=500))
-    # restore(mngr, new_config)  # ValueError: growth_interval: saved 1000, target 500
-    adopted = restore(mngr, new_config, adopt_config=True)  # saved scale and counters
-
-print(ls.get_loss_scale(resumed).loss_scale, ls.get_loss_scale(adopted).growth_interval)
-'''
-
-JSON_SNIPPET = '''\
-import json
-
-import loss_scaling as ls
-
-s = ls.update(ls.DynamicLossScale(init_scale=1024.0, growth_interval=100), True)
-text = json.dumps(ls.state_dict(s))  # {"format_version": 1, "kind": "dynamic", "config":...
-s = ls.from_state_dict(json.loads(text))  # validated: a ValueError naming any bad field
-'''
+# The recipe of docs/checkpoints.md (its `<!-- block: name=recipe -->` block): imported, it
+# defines save / restore / make_state, which the tests below use; run as a program, it saves
+# and resumes a state (test_docs_recipe_runs).
+RECIPE = doc_blocks.named("checkpoints.md", "recipe")
+JSON_BLOCK = doc_blocks.named("checkpoints.md", "json")
 
 
 def recipe() -> dict:
-    """The README's save / restore functions."""
-    ns: dict = {}
-    exec(SAVE_RESTORE_SNIPPET, ns)
-    return ns
+    """The docs' save / restore functions (the block imported, its demo part not run)."""
+    return doc_blocks.execute(RECIPE, module_name="checkpointing")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -242,19 +179,11 @@ def test_orbax_and_flax_round_trips_of_a_train_state(state_cls, tmp_path):
     assert_bit_identical(from_bytes, state, same_treedef=False)
 
 
-# ------------------------------------------------------------ the README's recipe
+# ------------------------------------------------------------ the docs' recipe
 
 
-def test_readme_contains_the_snippets_verbatim():
-    section = README.split("<!-- section: checkpoints -->")[1].split("<!-- section: demo")[0]
-    for snippet in (SAVE_RESTORE_SNIPPET, USAGE_SNIPPET, JSON_SNIPPET):
-        assert f"```python\n{snippet}```" in section
-
-
-def test_readme_recipe_runs(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    ns = recipe()
-    exec(USAGE_SNIPPET, ns)
+def test_docs_recipe_runs(tmp_path, capsys):
+    ns = doc_blocks.execute(RECIPE, cwd=tmp_path)  # as a program: save, then resume
     state, resumed, adopted = ns["state"], ns["resumed"], ns["adopted"]
     assert float(ls.get_loss_scale(state).loss_scale) == 16384.0
     assert_bit_identical(resumed, state, same_treedef=False)
@@ -267,9 +196,8 @@ def test_readme_recipe_runs(tmp_path, monkeypatch, capsys):
             ns["restore"](mngr, ns["new_config"])
 
 
-def test_readme_json_snippet_runs():
-    ns: dict = {}
-    exec(JSON_SNIPPET, ns)
+def test_docs_json_snippet_runs():
+    ns = doc_blocks.namespace(JSON_BLOCK)
     assert json.loads(ns["text"])["values"] == {
         "loss_scale": 1024.0, "growth_tracker": 1, "nonfinite_tracker": 0}
     assert_bit_identical(ns["s"], ls.update(ls.DynamicLossScale(

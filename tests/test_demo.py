@@ -11,11 +11,11 @@ import contextlib
 import dataclasses
 import io
 import pathlib
-import re
 import shutil
 import subprocess
 import sys
 
+import doc_blocks
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -212,15 +212,13 @@ def test_data_is_deterministic_and_splits_differ():
     assert set(np.unique(y0)) == {0, 1, 2}
 
 
-def test_readme_demo_section_snippet_runs():
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("<!-- section: demo -->"):
-                     readme.index("<!-- section: beyond -->")]
-    snippets = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(snippets) == 1
-    namespace: dict = {}
-    exec(compile(snippets[0], "README.md (demo section)", "exec"), namespace)
+def test_docs_demo_train_step_runs():
+    # The demo's train step as docs/getting_started.md shows it (tests/test_docs.py runs it).
+    block = doc_blocks.named("getting_started.md", "demo")
+    namespace = doc_blocks.namespace(block)
     assert np.isfinite(float(namespace["loss"]))
     assert int(ls.metrics(namespace["opt_state"])["skipped_steps"]) == 0
-    assert "docs/demo.png" in section and (pathlib.Path(__file__).resolve().parents[1]
-                                           / "docs" / "demo.png").is_file()
+    root = pathlib.Path(__file__).resolve().parents[1]
+    assert (root / "docs" / "demo.png").is_file()
+    assert "](demo.png)" in (root / "docs" / "getting_started.md").read_text()
+    assert "](docs/demo.png)" in (root / "README.md").read_text()

@@ -3,15 +3,15 @@
 get_loss_scale through every nesting (chain, MultiSteps, inject_hyperparams, masked,
 multi_transform, flax TrainState, nnx.Optimizer); gradient accumulation in both orders;
 value_and_grad with a TrainState / nnx.Optimizer; full train steps on float16 models; and the
-README's train-step snippets, executed verbatim from this file (and checked to be in README.md).
+train-step blocks of docs/optax_wrapper.md and docs/linen.md, run and trained on further.
 """
 
 from __future__ import annotations
 
 import functools
-import pathlib
 
 import chex
+import doc_blocks
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,6 @@ from flax.training import train_state
 import loss_scaling as ls
 
 NAN, INF = float("nan"), float("inf")
-README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 MAYBE_JIT = pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
 DONATING_JIT = functools.partial(jax.jit, donate_argnums=(1, 2))
@@ -196,7 +195,7 @@ def changed(before_bits, tree):
 
 def test_ls_train_state_fused_matches_flax_train_state_plain_and_skips_exactly():
     # float16 params: sgd with momentum, not adam, whose eps=1e-8 is 0 in float16 (a tiny
-    # second moment then gives an inf update from finite gradients; see the README).
+    # second moment then gives an inf update from finite gradients; see docs/float16_bfloat16.md).
     model = MLP()
     params = model.init(jax.random.key(0), X)["params"]
     make_tx = lambda: wrapped(init_scale=2.0**12, inner=optax.sgd(0.05, momentum=0.9))  # noqa: E731
@@ -276,139 +275,19 @@ def test_get_loss_scale_in_an_nnx_optimizer(holder):
     assert int(ls.metrics(source)["skipped_steps"]) == 0
 
 
-# ------------------------------------------------------------- the README's train steps
+# ------------------------------------------------------- the docs' train steps
 
-# Kept identical to README.md ("The Optax wrapper", "Train steps with flax"); the tests
-# below execute them.
-OPTAX_SNIPPET = '''\
-import functools
-
-import jax
-import jax.numpy as jnp
-import optax
-
-import loss_scaling as ls
+# The train-step blocks of docs/optax_wrapper.md and docs/linen.md, found by their
+# `<!-- block: name=... -->` markers; tests/test_docs.py runs every block, and these tests
+# go on training with what each one leaves in its namespace.
 
 
-def loss_fn(params, x, y):
-    pred = x.astype(jnp.float16) @ params["w"].astype(jnp.float16)  # float16 compute
-    return jnp.mean((pred.astype(jnp.float32) + params["b"] - y) ** 2)
+def docs_block(page, name):
+    return doc_blocks.namespace(doc_blocks.named(page, name))
 
 
-tx = ls.with_loss_scaling(
-    optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),  # sees TRUE gradients
-    ls.DynamicLossScale(),
-)
-params = {"w": jnp.full((4, 1), 0.1), "b": jnp.zeros(1)}
-opt_state = tx.init(params)
-
-
-@jax.jit
-def plain_step(params, opt_state, x, y):  # the optax contract
-    loss, grads = ls.value_and_grad(loss_fn)(opt_state, params, x, y)  # SCALED grads
-    updates, opt_state = tx.update(grads, opt_state, params)  # -0.0 updates if skipped
-    return optax.apply_updates(params, updates), opt_state, loss
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def fused_step(params, opt_state, x, y):  # update and apply under one skip decision
-    loss, grads = ls.value_and_grad(loss_fn)(opt_state, params, x, y)
-    params, opt_state = ls.apply_gradients(tx, grads, opt_state, params)
-    return params, opt_state, loss
-
-
-x, y = jnp.ones((8, 4)), jnp.ones((8, 1))
-params, opt_state, loss = plain_step(params, opt_state, x, y)
-params, opt_state, loss = fused_step(params, opt_state, x, y)
-metrics = ls.metrics(opt_state)  # a dict of arrays: log it without a host sync
-'''
-
-TRAIN_STATE_SNIPPET = '''\
-import functools
-
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import optax
-
-import loss_scaling as ls
-
-
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Dense(32, dtype=jnp.float16)(x))  # float16 compute, float32 params
-        return nn.Dense(1, dtype=jnp.float16)(x)
-
-
-model = MLP()
-x, y = jnp.ones((8, 4), jnp.float16), jnp.zeros((8, 1))
-state = ls.TrainState.create(
-    apply_fn=model.apply,
-    params=model.init(jax.random.key(0), x)["params"],
-    tx=ls.with_loss_scaling(optax.adamw(1e-3), ls.DynamicLossScale()),
-)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def train_step(state, x, y):
-    def loss_fn(params):
-        pred = state.apply_fn({"params": params}, x)
-        return jnp.mean((pred.astype(jnp.float32) - y) ** 2)  # the loss in float32
-
-    loss, grads = ls.value_and_grad(loss_fn)(state, state.params)  # grads of the SCALED loss
-    state = state.apply_gradients(grads=grads)  # unscale, check, step or skip, update scale
-    return state, loss, ls.metrics(state)
-
-
-state, loss, metrics = train_step(state, x, y)
-'''
-
-NNX_SNIPPET = '''\
-import jax.numpy as jnp
-import optax
-from flax import nnx
-
-import loss_scaling as ls
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs):
-        self.hidden = nnx.Linear(4, 32, dtype=jnp.float16, rngs=rngs)  # float16 compute
-        self.out = nnx.Linear(32, 1, dtype=jnp.float16, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(nnx.relu(self.hidden(x)))
-
-
-model = MLP(nnx.Rngs(0))
-optimizer = nnx.Optimizer(model, ls.with_loss_scaling(optax.adamw(1e-3)), wrt=nnx.Param)
-
-
-@nnx.jit
-def train_step(model, optimizer, x, y):
-    def loss_fn(model):
-        return jnp.mean((model(x).astype(jnp.float32) - y) ** 2)
-
-    loss, grads = ls.value_and_grad(loss_fn)(optimizer, model)  # grads of the SCALED loss
-    optimizer.update(model, grads)  # tx.update + optax.apply_updates: a skip changes nothing
-    return loss, ls.metrics(optimizer)
-
-
-x, y = jnp.ones((8, 4), jnp.float16), jnp.zeros((8, 1))
-loss, metrics = train_step(model, optimizer, x, y)
-'''
-
-
-@pytest.mark.parametrize("snippet", [OPTAX_SNIPPET, TRAIN_STATE_SNIPPET, NNX_SNIPPET],
-                         ids=["optax", "train_state", "nnx"])
-def test_readme_contains_the_snippet_verbatim(snippet):
-    assert f"```python\n{snippet}```" in README
-
-
-def test_readme_optax_snippet_runs_both_paths_and_skips_nan_steps():
-    ns: dict = {}
-    exec(OPTAX_SNIPPET, ns)
+def test_docs_optax_snippet_runs_both_paths_and_skips_nan_steps():
+    ns = docs_block("optax_wrapper.md", "optax")
     params, opt_state, x, y = (ns[k] for k in ("params", "opt_state", "x", "y"))
     m = ns["metrics"]
     assert all(isinstance(v, jax.Array) for v in m.values())
@@ -431,9 +310,8 @@ def wrapper_metrics(opt_state):
             bool(m["last_step_finite"]))
 
 
-def test_readme_train_state_snippet_runs_and_skips_a_nan_step():
-    ns: dict = {}
-    exec(TRAIN_STATE_SNIPPET, ns)
+def test_docs_train_state_snippet_runs_and_skips_a_nan_step():
+    ns = docs_block("linen.md", "train_state")
     state, train_step, x, y = ns["state"], ns["train_step"], ns["x"], ns["y"]
     assert isinstance(state, ls.TrainState)
     assert set(ns["metrics"]) >= {"loss_scale", "skipped_steps", "last_step_finite"}
@@ -452,9 +330,8 @@ def test_readme_train_state_snippet_runs_and_skips_a_nan_step():
     assert bool(metrics["last_step_finite"])
 
 
-def test_readme_nnx_snippet_runs_and_skips_a_nan_step():
-    ns: dict = {}
-    exec(NNX_SNIPPET, ns)
+def test_docs_nnx_snippet_runs_and_skips_a_nan_step():
+    ns = docs_block("optax_wrapper.md", "nnx_plain")
     model, optimizer, train_step, x, y = (ns[k] for k in ("model", "optimizer", "train_step",
                                                             "x", "y"))
     first_loss = float(ns["loss"])
@@ -541,8 +418,8 @@ def test_multisteps_outside_scale_fixed_in_window_overflow_skips_whole_window(
 
 @pytest.mark.xfail(strict=True, reason=(
     "optax 0.2.8 MultiSteps resets its accumulator as (1 - emit) * acc: 0 * inf = NaN, so "
-    "every window after an overflowing one is non-finite too. The README recommends the "
-    "wrapper outside MultiSteps; when this passes, update the README recipe."))
+    "every window after an overflowing one is non-finite too. The docs recommend the "
+    "wrapper outside MultiSteps; when this passes, update docs/optax_wrapper.md."))
 def test_multisteps_outside_recovers_after_an_overflow_window():
     tx = accumulated(optax.sgd(1.0))
     params = jnp.array([1.0, -1.0])
@@ -555,17 +432,16 @@ def test_multisteps_outside_recovers_after_an_overflow_window():
     assert int(ls.metrics(opt_state)["skipped_steps"]) == 1   # only the overflowing window
 
 
-ACCUMULATION_SNIPPET = (
-    "tx = ls.with_loss_scaling(optax.MultiSteps(optax.adamw(1e-3), every_k_schedule=4))\n")
-
-
-def test_readme_accumulation_recipe_is_the_tested_order():
-    assert f"```python\n{ACCUMULATION_SNIPPET}```" in README
-    ns = {"ls": ls, "optax": optax}
-    exec(ACCUMULATION_SNIPPET, ns)
-    opt_state = ns["tx"].init(PARAMS)
+def test_docs_accumulation_recipe_is_the_tested_order():
+    ns = docs_block("optax_wrapper.md", "accumulation")
+    opt_state = ns["opt_state"]
     assert isinstance(opt_state, ls.LossScalingState)       # the fused path applies
     assert isinstance(opt_state.inner_state, optax.MultiStepsState)
+    # Four micro steps: one window, one adamw step on their mean, nothing skipped.
+    assert int(opt_state.inner_state.gradient_step) == 1
+    assert int(opt_state.inner_state.mini_step) == 0
+    assert int(ls.metrics(opt_state)["skipped_steps"]) == 0
+    assert bool((ns["params"]["w"] < 1.0).all())
 
 
 def wrapper_outside(inner):

@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import loss_scaling as ls  # noqa: E402
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "distributed.md"
 
 # ---------------------------------------------------------------------------- the model
 #
@@ -625,15 +625,12 @@ def fail_closed() -> dict:
 
 
 def readme_snippets() -> dict:
-    """Runs each python block of the README's distributed section, as it is written."""
-    text = README.read_text()
-    start = text.index("<!-- section: distributed -->")
-    end = text.index("<!-- section: checkpoints -->")
-    blocks = re.findall(r"```python\n(.*?)```", text[start:end], flags=re.DOTALL)
+    """Runs each python block of docs/distributed.md, as it is written."""
+    blocks = re.findall(r"^```python\n(.*?)^```", DOCS_PAGE.read_text(), flags=re.DOTALL | re.M)
     out: dict[Any, Any] = {"count": len(blocks)}
     for i, code in enumerate(blocks):
-        namespace: dict[str, Any] = {"__name__": f"readme_distributed_{i}"}
-        exec(compile(code, f"README.md[distributed][{i}]", "exec"), namespace)
+        namespace: dict[str, Any] = {"__name__": f"docs_distributed_{i}"}
+        exec(compile(code, f"docs/distributed.md[{i}]", "exec"), namespace)
         stacked = "jax.pmap(" in code
         step = namespace.get("train_step")
         out[i] = {

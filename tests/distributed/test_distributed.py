@@ -275,10 +275,10 @@ def test_min_scale_clamps_instead(results):
     assert run["steps"][-1]["metrics"]["skipped_steps"].tolist() == [6] * N_DEVICES
 
 
-# --------------------------------------------------------------------------- README
+# ------------------------------------------------------------- docs/distributed.md
 
 
-def test_readme_snippets_run_on_every_path(results):
+def test_docs_blocks_run_on_every_path(results):
     value = scenario(results, "readme")
     assert value["count"] == 3  # sharded jit, shard_map, pmap
     for i in range(value["count"]):

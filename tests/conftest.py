@@ -1,0 +1,56 @@
+"""Marks the tests that make the suite slow, so that ``pytest -m "not slow"`` is quick.
+
+CI (``.ci/run``) runs everything. The quick subset (under a minute on 2 cores) runs every
+test function once: the first of its parametrizations (the others are marked slow), and
+none of what starts other processes (8 virtual devices, several hosts, a fresh resume, the
+type checker), executes the notebooks, builds the docs, runs the demo or searches with
+hypothesis. Marked here, by module, node id or fixture, rather than in each file; a test can
+also carry ``@pytest.mark.slow`` itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# Every test of these modules (paths relative to the repository root).
+SLOW_MODULES = (
+    "tests/distributed/",  # one subprocess on 8 virtual devices runs every scenario
+    "tests/multihost/",  # several jax.distributed processes
+    "tests/test_notebooks.py",  # executes the three notebooks
+    "tests/test_static_checks.py",  # mypy and ruff over the package
+    "tests/test_update_rule.py",  # hypothesis against the reference model
+)
+
+# Tests that use these (module-scoped, expensive) fixtures.
+SLOW_FIXTURES = (
+    "demo_run",  # three short training runs of the demo
+)
+
+# Single tests (node ids without parameters, relative to the repository root).
+SLOW_TESTS = (
+    "tests/test_checkpoint.py::test_resume_in_a_fresh_process_is_bit_identical",
+    "tests/test_demo.py::test_runs_as_a_module",
+    "tests/test_demo.py::test_the_train_step_compiles_once_and_skips_non_finite_steps",
+    "tests/test_demo.py::test_docs_demo_train_step_runs",  # 9 float16 layers to compile
+    "tests/test_beyond.py::test_noop_scale_unscale_and_update_add_no_ops_to_the_wrapper_step",
+    "tests/test_beyond.py::test_docs_gan_snippet_backs_off_only_the_overflowing_scaler",
+    "tests/test_integrations.py::test_ls_train_state_fused_matches_flax_train_state_plain_and_skips_exactly",
+    "tests/test_docs.py::test_site_builds_with_warnings_as_errors",
+    "tests/test_docs.py::test_python_block_runs_on_virtual_devices",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+    seen: set[str] = set()
+    for item in items:
+        path = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        node = f"{path}::{getattr(item, 'originalname', item.name)}"
+        repeated = hasattr(item, "callspec") and node in seen  # not the first parametrization
+        seen.add(node)
+        if (repeated or path.startswith(SLOW_MODULES) or node in SLOW_TESTS
+                or not SLOW_FIXTURES_SET.isdisjoint(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.slow)
+
+
+SLOW_FIXTURES_SET = frozenset(SLOW_FIXTURES)
