@@ -367,7 +367,13 @@ def test_docs_guard_snippet():
     ns = run_snippet("guard")
     assert "3 consecutive optimizer steps skipped (max_consecutive_skips=3)" in ns["message"]
     assert "the loss scale is now 4096.0" in ns["message"]
-    assert "non-finite on the last step: w." in ns["message"]
+    assert "non-finite on the last skipped step: w." in ns["message"]
+    # The failure is state: the step that failed and every later one leave params alone.
+    assert bool(ls.metrics(ns["opt_state"])["failed"])
+    params, opt_state = ns["step"](ns["bad"], ns["opt_state"], ns["params"])
+    chex.assert_trees_all_equal(params, {"w": jnp.ones(2)})
+    with pytest.raises(ls.LossScaleError, match="max_consecutive_skips=3"):
+        ls.check(opt_state)
 
 
 def test_docs_nonfinite_loss_snippet():

@@ -31,7 +31,11 @@ import sys
 from pathlib import Path
 
 import doc_blocks
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
 import loss_scaling as ls
 
@@ -116,6 +120,47 @@ def test_readme_is_a_front_page():
     for needed in ('-m "not slow"', "docs/demo.png", "ls.check(", "ls.TrainState",
                    "ls.nnx.Optimizer", "pip install", "git+", "sphinx"):
         assert needed in README, needed
+
+
+def test_readme_quickstart_nnx_trains_and_skips_exactly():
+    ns = doc_blocks.namespace(doc_blocks.named("README.md", "quickstart_nnx"))
+    model, optimizer, train_step, x, y = (ns[k] for k in ("model", "optimizer", "train_step",
+                                                            "x", "y"))
+    assert isinstance(optimizer, ls.nnx.Optimizer)  # the fused path
+    assert int(ns["metrics"]["skipped_steps"]) <= 2 and float(ns["loss"]) < 1.0
+    _assert_a_nan_batch_is_skipped(
+        lambda x: train_step(model, optimizer, x, y)[1], x,
+        lambda: (nnx.state(model, nnx.Param), optimizer.opt_state.inner_state), optimizer)
+
+
+def test_readme_quickstart_linen_trains_and_skips_exactly():
+    ns = doc_blocks.namespace(doc_blocks.named("README.md", "quickstart_linen"))
+    holder = {"state": ns["state"]}
+
+    def step(x):
+        holder["state"], _, metrics = ns["train_step"](holder["state"], x, ns["y"])
+        return metrics
+
+    assert isinstance(ns["state"], ls.TrainState) and int(ns["state"].step) == 20
+    _assert_a_nan_batch_is_skipped(
+        step, ns["x"],
+        lambda: (holder["state"].params, holder["state"].opt_state.inner_state), holder)
+
+
+def _assert_a_nan_batch_is_skipped(step, x, snapshot, state_holder):
+    scale = float(step(x)["loss_scale"])  # a clean step first
+    before = bits(snapshot())
+    metrics = step(x.at[0, 0].set(jnp.nan))  # a NaN batch: skipped, scale halved
+    assert not bool(metrics["last_step_finite"])
+    assert float(metrics["loss_scale"]) == scale / 2
+    assert before == bits(snapshot())  # params and optimizer state bit-identical
+    assert not bool(metrics["failed"])  # one skip is not a failure: ls.check passes
+    state = state_holder["state"] if isinstance(state_holder, dict) else state_holder
+    assert ls.check(state) is None
+
+
+def bits(tree):
+    return [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(tree)]
 
 
 def test_readme_links_resolve():
