@@ -72,12 +72,12 @@ def test_python_block_runs_on_virtual_devices(block, device_results):
     assert device_results[block.id] is None, f"{block.id} raised:\n{device_results[block.id]}"
 
 
-@pytest.mark.parametrize("block", TESTED_ELSEWHERE, ids=lambda b: b.id)
-def test_python_block_tested_elsewhere_names_its_page(block):
-    test_file = ROOT / block.option("tested-by")
-    assert test_file.is_file(), f"{block.id}: tested-by={test_file} does not exist"
-    assert Path(block.page).name in test_file.read_text(), (
-        f"{test_file} must run the blocks of {block.page} (it does not name the page)")
+def test_python_blocks_tested_elsewhere_name_their_page():
+    for block in TESTED_ELSEWHERE:  # none may be run by nobody
+        test_file = ROOT / block.option("tested-by")
+        assert test_file.is_file(), f"{block.id}: tested-by={test_file} does not exist"
+        assert Path(block.page).name in test_file.read_text(), (
+            f"{test_file} must run the blocks of {block.page} (it does not name the page)")
 
 
 def test_every_python_fence_is_a_block_that_runs():
