@@ -171,6 +171,8 @@ def nonfinite_grad_paths(opt_state: Any, params: Any, path: str | None = None) -
       ['dec.w']
     """
     flags = np.asarray(_get_wrapper_state(opt_state, path).nonfinite_grads)
+    if isinstance(params, optax.LookaheadParams):  # differentiated: the fast params only
+        params = params.fast
     names = leaf_names(params)
     if flags.shape[-1:] != (len(names),):
         raise ValueError(
