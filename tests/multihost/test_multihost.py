@@ -505,10 +505,10 @@ def test_a_process_that_dies_fails_the_test_with_its_stderr(tmp_path):
 def test_a_hung_process_fails_the_test_instead_of_hanging(tmp_path):
     started = time.monotonic()
     with pytest.raises(WorkerFailure) as failure:
-        launch(tmp_path, ["hang"], 2, DEVICES_PER_PROCESS, timeout=30)
-    assert time.monotonic() - started < 60  # killed, not waited for
+        launch(tmp_path, ["hang"], 2, DEVICES_PER_PROCESS, timeout=20)
+    assert time.monotonic() - started < 50  # killed, not waited for
     message = str(failure.value)
-    assert message.startswith("timed out after 30s: process(es) [0, 1] of 2 still running")
+    assert message.startswith("timed out after 20s: process(es) [0, 1] of 2 still running")
     assert "process 1: hanging on purpose" in message
 
 
@@ -521,7 +521,8 @@ def test_a_taken_coordinator_port_fails_the_test_clearly(tmp_path):
             launch(tmp_path, ["train"], 2, DEVICES_PER_PROCESS, port=port, timeout=120)
     message = str(failure.value)
     assert message.startswith(f"the coordinator port 127.0.0.1:{port} could not be bound")
-    assert "process 0 of 2 ended with exit code 1" in message.splitlines()[0]  # coordinator
+    # The coordinator's process (jax 0.10.2 sometimes segfaults on its way out).
+    assert "process 0 of 2 ended with" in message.splitlines()[0]
     assert "Failed to start RPC server" in message
 
 
