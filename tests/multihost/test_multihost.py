@@ -530,3 +530,38 @@ def test_free_port_is_free():
     port = free_port()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", port))  # would raise if it were taken
+
+
+# ------------------------------------------------------------------ the guide's program
+
+
+def guide_program() -> str:
+    """The complete program in docs/multihost.md (its python block)."""
+    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.DOTALL)
+    programs = [b for b in blocks if "jax.distributed.initialize" in b]
+    assert len(programs) == 1, "docs/multihost.md must hold exactly one complete program"
+    return programs[0]
+
+
+def test_the_guides_program_trains_saves_and_resumes_on_two_processes(tmp_path):
+    program = tmp_path / "train_multihost.py"
+    program.write_text(guide_program())
+    checkpoint = tmp_path / "checkpoint"
+
+    def argv(i: int, port: int) -> list[str]:
+        return [sys.executable, str(program), "--process-id", str(i), "--num-processes", "2",
+                "--coordinator", f"127.0.0.1:{port}", "--checkpoint", str(checkpoint),
+                "--cpu-devices", str(DEVICES_PER_PROCESS)]
+
+    for run, step in (("first", 4), ("resumed", 8)):
+        try:
+            run_processes(argv, 2, tmp_path / run, port=free_port(), timeout=TIMEOUT_S)
+        except WorkerFailure as failure:
+            pytest.fail(f"the guide's program ({run} run): {failure}", pytrace=False)
+        for i in range(2):
+            out = (tmp_path / run / f"process_{i}.stdout").read_text()
+            lines = [line for line in out.splitlines() if line.startswith("process ")]
+            assert lines == [f"process {i}: step {step}, skipped_steps 1, "
+                             "loss_scale 16384.0"], out
+        assert sorted(p.name for p in checkpoint.iterdir()) == (
+            ["4"] if step == 4 else ["4", "8"])
