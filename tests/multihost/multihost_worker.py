@@ -27,6 +27,7 @@ Importing this module (pytest's doctest collection does) runs nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pickle
 import sys
@@ -307,10 +308,46 @@ def path_shard_map_unchecked(n_devices: int, axis_name: Any = "data",
     return {"mesh": mesh, "tx": tx, "step": train_step, "place": place, "inputs": inputs}
 
 
+def path_pmap(n_devices: int, **tx_kwargs: Any) -> dict[str, Any]:
+    """The README's ``pmap`` step: one copy of the state per device (the leading axis), a
+    ``pmean`` of the gradients, and the NaN put into the last device's gradients after
+    it: only the wrapper's ``pmin`` over "batch" can tell the other processes."""
+    import flax.jax_utils
+
+    tx = ls.with_loss_scaling(optax.adam(1e-3), tx_kwargs.pop("scale", scaler()),
+                              axis_name="batch", **tx_kwargs)
+
+    def loss_fn(params, x, y):
+        return jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] - y) ** 2)
+
+    def train_step(params, opt_state, x, y, bad):
+        loss, grads = ls.value_and_grad(loss_fn)(opt_state, params, x, y)
+        grads = poison(lax.pmean(grads, "batch"), bad)
+        params, opt_state = ls.apply_gradients(tx, grads, opt_state, params)
+        return params, opt_state, lax.pmean(loss, "batch")
+
+    def place(params, opt_state):
+        # One copy per local device, with the step's axis name (else the second step
+        # traces again).
+        return flax.jax_utils.replicate((params, opt_state), axis_name="batch")
+
+    def inputs(x, y, bad):
+        k, process = jax.local_device_count(), jax.process_index()
+        start = process * GLOBAL_BATCH // jax.process_count()
+        stop = (process + 1) * GLOBAL_BATCH // jax.process_count()
+        FED.setdefault("x", set()).add((start, stop))
+        split = lambda a: a[start:stop].reshape(k, -1, *a.shape[1:])  # noqa: E731
+        return split(x), split(y), bad[process * k:(process + 1) * k]
+
+    return {"mesh": None, "tx": tx, "place": place, "inputs": inputs, "stacked": True,
+            "step": jax.pmap(train_step, axis_name="batch", donate_argnums=(0, 1))}
+
+
 PATHS: dict[str, Callable[..., dict[str, Any]]] = {
     "jit": path_jit,
     "shard_map": path_shard_map,
     "shard_map_unchecked": path_shard_map_unchecked,
+    "pmap": path_pmap,
 }
 
 
@@ -320,18 +357,20 @@ def run(path: str, *, steps: int = N_STEPS, always_overflow: bool = False,
     built = PATHS[path](jax.device_count(), **kwargs)
     FED.clear()
     out: dict[str, Any] = {"steps": []}
-    with jax.set_mesh(built["mesh"]):
+    stacked = built.get("stacked", False)
+    mesh = built["mesh"]
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         params = init_params()
         opt_state = built["tx"].init(params)
         params, opt_state = built["place"](params, opt_state)
-        out["initial"] = step_record(params, opt_state)
+        out["initial"] = step_record(params, opt_state, stacked)
         for i in range(steps):
             x, y = batch(i, always_overflow=always_overflow)
             params, opt_state, loss = built["step"](params, opt_state,
                                                     *built["inputs"](x, y, bad_devices(i)))
-            out["steps"].append(step_record(params, opt_state))
+            out["steps"].append(step_record(params, opt_state, stacked))
     out["fed_rows"] = {name: sorted(rows) for name, rows in FED.items()}
-    out["cache_size"] = built["step"]._cache_size()
+    out["cache_size"] = getattr(built["step"], "_cache_size", lambda: None)()
     out["params"], out["opt_state"] = params, opt_state  # for the caller; dropped when saved
     return out
 
@@ -354,7 +393,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def fail_closed(args: argparse.Namespace) -> dict[str, Any]:
     """Always overflowing from 2**-124: the third backoff leaves float32's normal range."""
     out = {}
-    for path in ("jit", "shard_map"):
+    for path in ("jit", "shard_map", "pmap"):
         result = run(path, steps=FAIL_STEPS, always_overflow=True,
                      scale=scaler(init_scale=2.0**-124))
         try:
