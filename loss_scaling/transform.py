@@ -423,7 +423,7 @@ def _underflow_stats(grads: Any, inverse: tree.Reciprocal | None) -> UnderflowSt
         # the reduction, where a boolean mask would be materialized per leaf.
         nonzero = jnp.sign(jnp.abs(g.astype(magnitude.dtype)))
         normal16 = jnp.sign(jnp.maximum(magnitude - _BELOW_F16_TINY, 0))  # |y| >= f16 tiny
-        zero.append(1 - jnp.mean(nonzero, dtype=jnp.float32))
+        zero.append(jnp.mean(1 - nonzero, dtype=jnp.float32))
         small.append(jnp.mean(jnp.sign(magnitude) - normal16, dtype=jnp.float32))
     if not size:
         empty = jnp.zeros((0,), jnp.float32)
