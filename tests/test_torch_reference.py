@@ -106,8 +106,13 @@ def torch_update_scale(scale, tracker, finite: bool, s: ls.DynamicLossScale) -> 
 # ----------------------------------------------------------------------- comparisons
 
 
+def as_f64(x) -> np.ndarray:
+    with np.errstate(all="ignore"):      # signalling NaN patterns warn when cast
+        return np.asarray(x, np.float64)
+
+
 def f32_subnormal(x: np.ndarray) -> np.ndarray:
-    v = np.abs(np.asarray(x, np.float64))
+    v = np.abs(as_f64(x))
     return (v != 0) & (v < TINY)
 
 
@@ -115,19 +120,19 @@ def exact_product(x: np.ndarray, scale: float) -> np.ndarray:
     """x times PyTorch's float32 reciprocal, exactly (a float32 times a float32 fits in a
     float64 mantissa)."""
     with np.errstate(all="ignore"):
-        return np.asarray(x, np.float64) * np.float64(torch_inv_scale(scale).item())
+        return as_f64(x) * np.float64(torch_inv_scale(scale).item())
 
 
 def not_subnormal(out: np.ndarray) -> np.ndarray:
     """Where a result is normal, zero, inf or NaN in its own dtype."""
-    v = np.abs(np.asarray(out, np.float64))
+    v = np.abs(as_f64(out))
     return ~((v != 0) & (v < float(ml_dtypes.finfo(out.dtype).tiny)))
 
 
 def flushed_on_cpu(exact: np.ndarray, out: np.ndarray) -> np.ndarray:
     """Where the exact float32 result is subnormal but PyTorch's is not zero: PyTorch keeps
     it (or rounds it up to the smallest normal); XLA on CPU flushes it to zero first."""
-    return f32_subnormal(exact) & (np.asarray(out, np.float64) != 0)
+    return f32_subnormal(exact) & (as_f64(out) != 0)
 
 
 def comparable(x: np.ndarray, torch_out: np.ndarray, scale: float) -> np.ndarray:
@@ -142,7 +147,7 @@ def same_bits(got, want: np.ndarray, where: np.ndarray) -> bool:
     """Bit equality where ``where`` (NaN matches any NaN: payloads may differ)."""
     got, want = np.ascontiguousarray(np.asarray(got)), np.ascontiguousarray(want)
     assert got.dtype == want.dtype, (got.dtype, want.dtype)
-    both_nan = np.isnan(got.astype(np.float64)) & np.isnan(want.astype(np.float64))
+    both_nan = np.isnan(as_f64(got)) & np.isnan(as_f64(want))
     width = want.dtype.itemsize
     equal = (got.view(np.uint8).reshape(-1, width) == want.view(np.uint8).reshape(-1, width))
     return bool(np.all(~where.reshape(-1) | both_nan.reshape(-1) | equal.all(-1)))
@@ -246,6 +251,8 @@ ROUNDS_TO_FLOAT16_INF = fixed_tree(float16=[65440.0, -1.0])
 @example(tree=ROUNDS_TO_FLOAT16_INF, scale=0.9)
 @example(tree=fixed_tree(float32=[3e38, 1e-40, NAN]), scale=2.0**127)
 @example(tree=fixed_tree(bfloat16=[1.5, -0.0, 3e38]), scale=float(F32.max))
+@example(tree=fixed_tree(float16=[65504.0] * LEAF_SIZE, bfloat16=[3.3895e38] * LEAF_SIZE,
+                         float32=[F32_MAX] * LEAF_SIZE), scale=1.0)   # sums past max: finite
 def test_unscale_and_skip_decision_match_torchs_kernel(tree, scale):
     """``ls.unscale`` gives PyTorch's bits (where comparable, see the module docstring), and
     a step is skipped iff PyTorch's kernel found a non-finite scaled gradient or its own
@@ -260,7 +267,7 @@ def test_unscale_and_skip_decision_match_torchs_kernel(tree, scale):
             assert same_bits(got[k], want[k], where), (
                 f"{k}: scale {scale!r}, x {x!r}: got {np.asarray(got[k])!r}, torch {want[k]!r}")
 
-    torch_nonfinite_output = any(not np.isfinite(v.astype(np.float64)).all()
+    torch_nonfinite_output = any(not np.isfinite(as_f64(v)).all()
                                  for v in want.values())
     expected_skip = found_inf or torch_nonfinite_output
     event("skipped" if expected_skip else "applied")
@@ -275,6 +282,27 @@ def test_unscale_and_skip_decision_match_torchs_kernel(tree, scale):
     assert (not bool(ls.all_finite(ls.unscale(s, grads)))) == expected_skip
 
 
+EXHAUSTIVE_SCALES = [2.0**15, 3000.0, 0.999, 2.0**-10, 1.7e5, 2.0**127 * 1.3, F32_MAX, TINY]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_every_16_bit_value_unscales_to_torchs_bits(dtype):
+    """All 65536 float16 / bfloat16 bit patterns (65536 random float32 ones) at fixed scales,
+    eagerly and under ``jit``. Every float16 result matches, subnormal results included."""
+    if np.dtype(dtype).itemsize == 2:
+        x = np.arange(2**16, dtype=np.uint16).view(dtype)
+    else:
+        x = np.random.default_rng(0).integers(0, 2**32, 2**16, dtype=np.uint32).view(np.float32)
+    for scale in EXHAUSTIVE_SCALES:
+        want, _ = torch_unscale({"x": x}, scale)
+        # float16: every value. No float16 input is a float32 subnormal, and a product that
+        # is one rounds to a float16 zero in PyTorch too.
+        where = np.ones(x.shape, bool) if dtype == np.float16 else comparable(x, want["x"], scale)
+        for unscale in (ls.unscale, jax.jit(ls.unscale)):
+            got = unscale(ls.StaticLossScale(scale), jnp.asarray(x))
+            assert same_bits(got, want["x"], where), scale
+
+
 def test_the_one_difference_occurs_where_unscaling_overflows():
     """PyTorch checks the scaled gradients: 3e38 at scale 0.5 is finite, so it applies the
     unscaled inf (and 65440 at scale 0.9 rounds to float16 inf); the library skips."""
@@ -283,8 +311,8 @@ def test_the_one_difference_occurs_where_unscaling_overflows():
         params = fixed_tree()
         torch_params, unscaled, found_inf = torch_sgd_step(params, tree, scale)
         assert not found_inf                                # torch steps ...
-        assert np.isinf(unscaled[leaf][0].astype(np.float64))
-        assert np.isinf(torch_params[leaf][0].astype(np.float64))   # ... into an inf param
+        assert np.isinf(as_f64(unscaled[leaf][0]))
+        assert np.isinf(as_f64(torch_params[leaf][0]))   # ... into an inf param
         grads = jax.tree.map(jnp.asarray, tree)
         opt_state = with_scale(SGD, grads, scale)
         for name, step in SGD_STEPS:
@@ -469,7 +497,7 @@ def test_a_wrapper_step_matches_a_gradscaler_step_with_sgd(pg, scale):
     want, unscaled, found_inf = torch_sgd_step(params, grads, scale)
     jparams, jgrads = jax.tree.map(jnp.asarray, params), jax.tree.map(jnp.asarray, grads)
     opt_state = with_scale(SGD, jparams, scale)
-    torch_nonfinite = any(not np.isfinite(u.astype(np.float64)).all() for u in unscaled.values())
+    torch_nonfinite = any(not np.isfinite(as_f64(u)).all() for u in unscaled.values())
     for name, step in SGD_STEPS:
         new_params, state = step(jgrads, opt_state, jparams)
         skipped = not bool(state.last_step_finite)
@@ -485,7 +513,7 @@ def test_a_wrapper_step_matches_a_gradscaler_step_with_sgd(pg, scale):
                 assert same_bits(got, p, keep), (name, k)
                 continue
             with np.errstate(all="ignore"):
-                exact_sum = p.astype(np.float64) - unscaled[k].astype(np.float64)
+                exact_sum = as_f64(p) - as_f64(unscaled[k])
             where = (comparable(grads[k], unscaled[k], scale) & ~f32_subnormal(p)
                      & not_subnormal(want[k]) & ~flushed_on_cpu(exact_sum, want[k]))
             assert same_bits(got, want[k], where), (
