@@ -24,7 +24,7 @@ extensions = [
     "sphinx.ext.viewcode",
 ]
 
-exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "_*.md"]  # _x.md: included by a page
 source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
 root_doc = "index"
 

@@ -187,8 +187,11 @@ def test_every_page_is_in_the_toctree():
     toctrees = [b.code for b in doc_blocks.blocks("docs/index.md") if b.info == "{toctree}"]
     entries = {line.strip() for code in toctrees for line in code.splitlines()
                if line.strip() and not line.startswith(":")}
+    included = "".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
     for page in (ROOT / "docs").glob("*.md"):
-        if page.stem != "index":
+        if page.stem.startswith("_"):  # a part of a page: some page must include it
+            assert f"```{{include}} {page.name}" in included, f"docs/{page.name} is unused"
+        elif page.stem != "index":
             assert page.stem in entries, f"docs/{page.name} is not in index.md's toctree"
     for notebook in (ROOT / "notebooks").glob("*.ipynb"):
         assert f"notebooks/{notebook.stem}" in entries, notebook.name
@@ -202,7 +205,7 @@ def test_site_builds_with_warnings_as_errors(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, f"sphinx-build failed:\n{proc.stdout[-4000:]}\n" \
                                  f"{proc.stderr[-8000:]}"
-    for page in (ROOT / "docs").glob("*.md"):
+    for page in (ROOT / "docs").glob("[!_]*.md"):
         assert (out / f"{page.stem}.html").is_file(), page.name
     for notebook in (ROOT / "notebooks").glob("*.ipynb"):
         html = (out / "notebooks" / f"{notebook.stem}.html").read_text()
