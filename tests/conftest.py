@@ -19,6 +19,7 @@ SLOW_MODULES = (
     "tests/test_notebooks.py",  # executes the three notebooks
     "tests/test_static_checks.py",  # mypy and ruff over the package
     "tests/test_update_rule.py",  # hypothesis against the reference model
+    "tests/test_torch_reference.py",  # imports torch; PyTorch's kernels on every bit pattern
 )
 
 # Tests that use these (module-scoped, expensive) fixtures.
@@ -36,6 +37,7 @@ SLOW_TESTS = (
     "tests/test_beyond.py::test_docs_gan_snippet_backs_off_only_the_overflowing_scaler",
     "tests/test_integrations.py::test_ls_train_state_fused_matches_flax_train_state_plain_and_skips_exactly",
     "tests/test_docs.py::test_site_builds_with_warnings_as_errors",
+    "tests/test_exactness.py::test_lbfgs_sees_the_unscaled_grad_extra_argument",
     "tests/test_docs.py::test_python_block_runs_on_virtual_devices",
 )
 
@@ -48,7 +50,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         node = f"{path}::{getattr(item, 'originalname', item.name)}"
         repeated = hasattr(item, "callspec") and node in seen  # not the first parametrization
         seen.add(node)
-        if (repeated or path.startswith(SLOW_MODULES) or node in SLOW_TESTS
+        searches = getattr(getattr(item, "obj", None), "is_hypothesis_test", False)
+        if (repeated or searches or path.startswith(SLOW_MODULES) or node in SLOW_TESTS
                 or not SLOW_FIXTURES_SET.isdisjoint(getattr(item, "fixturenames", ()))):
             item.add_marker(pytest.mark.slow)
 
