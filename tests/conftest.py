@@ -1,10 +1,10 @@
 """Marks the tests that make the suite slow, so that ``pytest -m "not slow"`` is quick.
 
-CI (``.ci/run``) runs everything. The quick subset (under a minute on 2 cores) runs every
-test function once: the first of its parametrizations (the others are marked slow), and
-none of what starts other processes (8 virtual devices, several hosts, a fresh resume, the
-type checker), executes the notebooks, builds the docs, runs the demo or searches with
-hypothesis. Marked here, by module, node id or fixture, rather than in each file; a test can
+CI (``.ci/run``) runs everything. The quick subset (under a minute on 2 cores) runs only
+the first parametrization of each test function (the others are marked slow), and none of
+the tests that start other processes (8 virtual devices, several hosts, a fresh resume, the
+type checker), execute the notebooks, build the docs, run the demo, import torch or search
+with hypothesis. Marked here, by module, node id or fixture, rather than in each file; a test can
 also carry ``@pytest.mark.slow`` itself.
 """
 
