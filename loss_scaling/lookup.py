@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -9,23 +10,67 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from loss_scaling.scalers import LossScale
+from loss_scaling import scalers
+from loss_scaling.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from loss_scaling.transform import LossScalingState, leaf_names
 
 __all__ = ["get_loss_scale", "metrics", "nonfinite_grad_paths"]
 
 
 def _unwrap_variables(x: Any) -> Any:
-    """Replaces flax.nnx Variables (as found in ``nnx.Optimizer.opt_state``) by values."""
+    """Replaces flax.nnx Variables (as found in ``nnx.Optimizer.opt_state``) by values.
+
+    An ``nnx.State`` (``nnx.state(optimizer)``, the state from ``nnx.split(optimizer)``)
+    holds the wrapper's state as a plain mapping of its fields: it is rebuilt into a
+    :class:`LossScalingState` (see :func:`_from_nnx_state`).
+    """
     try:
         from flax import nnx
     except ImportError:  # pragma: no cover - flax is a dependency
         return x
     if isinstance(x, nnx.Optimizer):
         x = x.opt_state
+    if isinstance(x, nnx.State):
+        x = _from_nnx_state(x)
     # get_value(): flax >= 0.12 deprecates `.value` (a DeprecationWarning on every call).
     return jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, x,
                         is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+# The fields that every wrapper state has leaves for (an empty inner state or a NoOp
+# scaler has none, so nnx.state drops those keys).
+_ALWAYS_PRESENT = frozenset(LossScalingState._fields) - {"scaler", "inner_state"}
+CONFIG_METADATA = "loss_scale_config"  # Variable metadata set by loss_scaling.nnx.Optimizer
+
+
+def _from_nnx_state(node: Any) -> Any:
+    """Nested mappings with every wrapper state's mapping rebuilt as a LossScalingState.
+
+    The scaler's configuration is static (not a leaf), so ``nnx.state`` drops it; a
+    ``loss_scaling.nnx.Optimizer`` keeps it as metadata of the scaler's Variables. From a
+    plain ``nnx.Optimizer``'s state the dynamic scaler is rebuilt with ``config=None``
+    (:func:`get_loss_scale` refuses it; :func:`metrics` reads only values).
+    """
+    if not isinstance(node, Mapping):
+        return node
+    keys = set(node)
+    if _ALWAYS_PRESENT <= keys <= set(LossScalingState._fields):
+        fields = {k: _from_nnx_state(v) for k, v in node.items()}
+        fields["scaler"] = _scaler_from_mapping(node.get("scaler", {}))
+        fields.setdefault("inner_state", {})
+        return LossScalingState(**fields)
+    return {k: _from_nnx_state(v) for k, v in node.items()}
+
+
+def _scaler_from_mapping(node: Any) -> LossScale:
+    names = set(node)
+    if not names:
+        return NoOpLossScale()
+    if names == {"loss_scale"}:
+        return jax.tree.unflatten(jax.tree.structure(StaticLossScale(1.0)), [node["loss_scale"]])
+    metadata = getattr(node.get("loss_scale"), "get_metadata", dict)()
+    return DynamicLossScale._from_parts(
+        metadata.get(CONFIG_METADATA), tuple(node[name] for name in scalers._DYNAMIC_LEAVES))
 
 
 def _all_loss_scaling_states(opt_state: Any) -> list[tuple[str, LossScalingState]]:
@@ -58,7 +103,9 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
 
     Finds the :func:`with_loss_scaling` state inside ``optax.chain``, ``MultiSteps``,
     ``inject_hyperparams``, ``masked`` / ``multi_transform``, a flax ``TrainState`` (or its
-    ``opt_state``) and a ``flax.nnx.Optimizer`` (or its ``opt_state``).
+    ``opt_state``) and a ``flax.nnx.Optimizer`` (or its ``opt_state``, ``nnx.state`` of it,
+    or the state from ``nnx.split`` of it: for those two, build it as
+    ``loss_scaling.nnx.Optimizer``, which keeps the configuration in the state).
 
     Args:
       opt_state: an optimizer state, TrainState or nnx Optimizer.
@@ -79,7 +126,14 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
       >>> float(ls.get_loss_scale(tx.init(jnp.zeros(3))).loss_scale)
       32768.0
     """
-    return _get_wrapper_state(opt_state, path).scaler
+    scaler = _get_wrapper_state(opt_state, path).scaler
+    if isinstance(scaler, DynamicLossScale) and scaler.config is None:
+        raise ValueError(
+            "This nnx.State holds the loss scale's values but not its configuration: a "
+            "plain flax nnx.Optimizer does not keep it in its state. Build the optimizer "
+            "with `loss_scaling.nnx.Optimizer` (it stores the configuration with the "
+            "state), or pass the optimizer itself.")
+    return scaler
 
 
 def _get_wrapper_state(opt_state: Any, path: str | None) -> LossScalingState:
