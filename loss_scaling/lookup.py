@@ -68,9 +68,10 @@ def _scaler_from_mapping(node: Any) -> LossScale:
         return NoOpLossScale()
     if names == {"loss_scale"}:
         return jax.tree.unflatten(jax.tree.structure(StaticLossScale(1.0)), [node["loss_scale"]])
-    metadata = getattr(node.get("loss_scale"), "get_metadata", dict)()
+    metadata: dict[str, Any] = getattr(node.get("loss_scale"), "get_metadata", dict)()
+    config: Any = metadata.get(CONFIG_METADATA)  # None: get_loss_scale refuses it
     return DynamicLossScale._from_parts(
-        metadata.get(CONFIG_METADATA), tuple(node[name] for name in scalers._DYNAMIC_LEAVES))
+        config, tuple(node[name] for name in scalers._DYNAMIC_LEAVES))
 
 
 def _all_loss_scaling_states(opt_state: Any) -> list[tuple[str, LossScalingState]]:

@@ -12,13 +12,13 @@ the host by the same rule, the update left out on the steps the wrapper skips.
 import subprocess
 import sys
 
+import bitwise
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-import bitwise
 from flax import nnx
 
 import loss_scaling as ls
