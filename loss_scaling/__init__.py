@@ -5,8 +5,8 @@ Loss-scale states are immutable pytrees; ``scale`` / ``unscale`` / ``all_finite`
 optimizer so that non-finite steps are skipped exactly.
 """
 
-from loss_scaling._errors import LossScaleError
-from loss_scaling.lookup import get_loss_scale, metrics, nonfinite_grad_paths
+from loss_scaling._errors import Failure, LossScaleError
+from loss_scaling.lookup import check, get_loss_scale, metrics, nonfinite_grad_paths
 from loss_scaling.scalers import (
     DynamicLossScale,
     LossScale,
@@ -37,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DynamicLossScale",
     "FORMAT_VERSION",
+    "Failure",
     "LossScale",
     "LossScaleError",
     "LossScalingState",
@@ -46,6 +47,7 @@ __all__ = [
     "TrainState",
     "all_finite",
     "apply_gradients",
+    "check",
     "check_same_config",
     "from_state_dict",
     "get_loss_scale",

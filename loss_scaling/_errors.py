@@ -1,7 +1,14 @@
-"""Errors raised by loss_scaling, and the in-graph check behind fail-closed updates."""
+"""Errors raised by loss_scaling, the failure codes states record, and their messages.
+
+A run that cannot continue is recorded in its state as a :class:`Failure` code (sticky:
+every later step is skipped) and raised on the host as :class:`LossScaleError` by
+``loss_scaling.check``. The messages are built from the recorded state alone.
+"""
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -10,61 +17,106 @@ from jax import lax
 
 
 class LossScaleError(RuntimeError):
-    """The loss scale cannot continue: a backoff would leave the normal float32 range.
+    """The loss scale cannot continue (see :class:`Failure` for the reasons).
 
-    Raised eagerly by :func:`loss_scaling.update`. Under ``jit`` the same message
-    reaches the user as the ``JaxRuntimeError`` of the failed step.
+    Raised on the host by :func:`loss_scaling.check` when a state records a failure, and
+    at once by the eager paths (:func:`loss_scaling.update`, an un-jitted optimizer
+    update). Under ``jit`` nothing is raised unless ``on_failure="raise"`` was chosen: the
+    failure is recorded in the state and every later step is skipped.
     """
 
     __module__ = "loss_scaling"
 
 
+class Failure(enum.IntEnum):
+    """Why a state failed; stored as an int32 (0 while healthy).
+
+    Attributes:
+      NONE: healthy.
+      BACKOFF_UNDERFLOW: a backoff would have taken the scale below the smallest normal
+        float32 (no ``min_scale`` set); the scale stays at its last valid value.
+      INVALID_SCALE: the scale was not a positive normal float32 when a step ran (a state
+        that reached the step without validation: an unchecked restore, pickle,
+        ``tree_unflatten``).
+      TOO_MANY_SKIPS: ``max_consecutive_skips`` steps in a row were skipped.
+    """
+
+    NONE = 0
+    BACKOFF_UNDERFLOW = 1
+    INVALID_SCALE = 2
+    TOO_MANY_SKIPS = 3
+
+    __module__ = "loss_scaling"
+
+
+_F32 = np.finfo(np.float32)
+
 BACKOFF_UNDERFLOW = (
     "loss scale backoff failed: the loss scale {old!r} times backoff_factor {factor!r} gives "
     "{new!r}, below the smallest normal float32 ({tiny!r}). Unscaling by a zero or subnormal "
-    "factor is meaningless, so the step fails instead of continuing silently. The gradients "
-    "keep overflowing at every scale: look for a NaN/inf in the loss or the model itself "
-    "(pass `loss=loss` to the optimizer update and read `nonfinite_loss_steps` and "
+    "factor is meaningless, so the run stops (every later step is skipped, params and "
+    "optimizer state stay as they were) instead of continuing silently. The gradients keep "
+    "overflowing at every scale: look for a NaN/inf in the loss or the model itself (pass "
+    "`loss=loss` to the optimizer update and read `nonfinite_loss_steps` and "
     "`loss_scaling.nonfinite_grad_paths`), or pass `min_scale=...` to clamp the backoff."
 )
 
+INVALID_SCALE = (
+    "the loss scale is {value!r}, not a finite, positive, normal float32 (between {tiny!r} "
+    "and {max!r}), so no step can use it: the run stops (every step is skipped, params and "
+    "optimizer state stay as they were). Such a state never comes out of a constructor or "
+    "an update; it reached the step without validation (a restore that bypassed "
+    "`loss_scaling.restore_loss_scale` / `from_state_dict`, pickle, `tree_unflatten`). "
+    "Restore the loss scale through `loss_scaling.restore_loss_scale` (which validates it)."
+)
 
 TOO_MANY_SKIPS = (
-    "{count} consecutive optimizer steps skipped (max_consecutive_skips={limit}); the loss "
-    "scale is now {scale!r}. Gradient leaves non-finite on the last step: {leaves}. The run "
-    "is not recovering by backing off: look for the source of the inf/NaN there (or raise "
-    "max_consecutive_skips)."
+    "{count} consecutive optimizer steps skipped (max_consecutive_skips={count}); the loss "
+    "scale is now {scale!r}. Gradient leaves non-finite on the last skipped step: {leaves}. "
+    "The run is not recovering by backing off, so it stops (every later step is skipped, "
+    "params and optimizer state stay as they were): look for the source of the inf/NaN "
+    "there (or raise max_consecutive_skips)."
 )
 
 
-def backoff_underflow_message(old: Any, factor: float, new: Any) -> str:
-    return BACKOFF_UNDERFLOW.format(
-        old=float(np.asarray(old)),
-        factor=factor,
-        new=float(np.asarray(new)),
-        tiny=float(np.finfo(np.float32).tiny),
-    )
+def _float(x: Any) -> float:
+    return float(np.asarray(x, np.float32))
 
 
-def raise_if_backoff_underflow(
-    failed: jax.Array, old_scale: jax.Array, new_scale: jax.Array, factor: float
-) -> None:
-    """Raises at run time, from inside a traced computation, when ``failed`` is true.
+def backoff_underflow_message(old: Any, factor: float) -> str:
+    with np.errstate(under="ignore"):
+        new = np.float32(old) * np.float32(factor)  # numpy keeps the subnormal, for the record
+    return BACKOFF_UNDERFLOW.format(old=_float(old), factor=factor, new=float(new),
+                                    tiny=float(_F32.tiny))
 
-    The callback lives only in the taken branch of a ``lax.cond``, so healthy steps pay
-    no host round trip. ``jax.debug.callback`` (an effect, never dead-code eliminated)
-    works under ``jit``, ``pmap``, ``shard_map`` and ``vmap``; the callback re-checks the
-    predicate because under ``vmap`` both branches of the ``cond`` run.
+
+def invalid_scale_message(value: Any) -> str:
+    return INVALID_SCALE.format(value=_float(value), tiny=float(_F32.tiny), max=float(_F32.max))
+
+
+def too_many_skips_message(count: Any, scale: Any, leaves: list[str]) -> str:
+    return TOO_MANY_SKIPS.format(count=int(np.asarray(count)), scale=_float(scale),
+                                 leaves=", ".join(leaves) or "none (the loss was non-finite)")
+
+
+def raise_in_graph(newly_failed: jax.Array, message: Callable[..., str], *values: Any) -> None:
+    """The opt-in immediate raise: a host callback in the taken branch of a ``lax.cond``.
+
+    ``jax.debug.callback`` (an effect, never dead-code eliminated) works under ``jit``,
+    ``pmap``, ``shard_map`` and ``vmap``; the callback re-checks the flag because under
+    ``vmap`` both branches run. Any executable holding it is dispatched on JAX's slower
+    path, and a raise inside a donated step deletes the donated inputs: debugging only.
     """
 
-    def host_check(failed, old, new):
-        failed = np.asarray(failed)
-        if np.any(failed):
-            index = np.argmax(failed.reshape(-1))
-            pick = lambda a: np.asarray(a).reshape(-1)[index] if np.ndim(a) else a  # noqa: E731
-            raise LossScaleError(backoff_underflow_message(pick(old), factor, pick(new)))
+    def host_check(newly_failed: Any, *values: Any) -> None:
+        flags = np.asarray(newly_failed)
+        if not flags.any():
+            return
+        if flags.ndim:  # batched by vmap: report the first failing member
+            index = int(np.argmax(flags.reshape(-1)))
+            values = tuple(np.asarray(v).reshape(flags.size, *np.shape(v)[flags.ndim:])[index]
+                           for v in values)
+        raise LossScaleError(message(*values))
 
-    def fail(failed, old, new):
-        jax.debug.callback(host_check, failed, old, new)
-
-    lax.cond(failed, fail, lambda *_: None, failed, old_scale, new_scale)
+    lax.cond(newly_failed, lambda *a: jax.debug.callback(host_check, *a), lambda *a: None,
+             newly_failed, *values)

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from loss_scaling import scalers
+from loss_scaling import _errors, scalers
 from loss_scaling.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
-from loss_scaling.transform import LossScalingState, leaf_names
+from loss_scaling.transform import LossScalingState, failure_message, leaf_names
 
-__all__ = ["get_loss_scale", "metrics", "nonfinite_grad_paths"]
+__all__ = ["check", "get_loss_scale", "metrics", "nonfinite_grad_paths"]
 
 
 def _unwrap_variables(x: Any) -> Any:
@@ -166,7 +166,9 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       ``loss_scale``; ``growth_tracker`` (0 for non-dynamic scales); ``skipped_steps``,
       ``consecutive_skips`` and ``last_step_finite``; ``nonfinite_loss_steps`` (skips
       caused by a non-finite ``loss=``); ``nonfinite_grad_leaves``, the number of
-      gradient leaves that were non-finite on the most recent skipped step.
+      gradient leaves that were non-finite on the most recent skipped step; ``failed``
+      (bool) and ``failure`` (the int32 :class:`loss_scaling.Failure` code): whether the
+      run has failed, and why (:func:`check` raises it on the host).
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -175,7 +177,7 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       >>> {k: v.item() for k, v in ls.metrics(opt_state).items()}  # doctest: +NORMALIZE_WHITESPACE
       {'loss_scale': 32768.0, 'growth_tracker': 0, 'skipped_steps': 0,
        'consecutive_skips': 0, 'last_step_finite': True, 'nonfinite_loss_steps': 0,
-       'nonfinite_grad_leaves': 0}
+       'nonfinite_grad_leaves': 0, 'failed': False, 'failure': 0}
     """
     state = _get_wrapper_state(opt_state, path)
     scaler = state.scaler
@@ -188,6 +190,8 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
         "last_step_finite": state.last_step_finite,
         "nonfinite_loss_steps": state.nonfinite_loss_steps,
         "nonfinite_grad_leaves": jnp.sum(state.nonfinite_grads, axis=-1, dtype=jnp.int32),
+        "failed": state.failure != _errors.Failure.NONE,
+        "failure": state.failure,
     }
 
 
@@ -231,3 +235,83 @@ def nonfinite_grad_paths(opt_state: Any, params: Any, path: str | None = None) -
         return []
     flagged = np.atleast_1d(flags.reshape(-1, len(names)).any(axis=0)).tolist()  # any replica
     return [name for name, flag in zip(names, flagged, strict=True) if flag]
+
+
+def _host(x: Any) -> np.ndarray:
+    """A replicated (or single-device) array's value on this host, without a gather.
+
+    Arrays of a multi-process run are not fully addressable; their loss-scale leaves are
+    replicated, so this process's first shard holds the whole value.
+    """
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_data(0)
+    return np.asarray(x)
+
+
+def _first_failing(tree: Any, failure: np.ndarray) -> Any:
+    """One replica of a (possibly pmap-replicated) state: the first one that failed."""
+    if failure.ndim == 0:
+        return jax.tree.map(_host, tree)
+    index = int(np.argmax(failure.reshape(-1) != _errors.Failure.NONE))
+    return jax.tree.map(
+        lambda x: _host(x).reshape(failure.size, *np.shape(x)[failure.ndim:])[index], tree)
+
+
+def check(state: Any, params: Any = None, path: str | None = None) -> None:
+    """Raises :class:`loss_scaling.LossScaleError` on the host if the run has failed.
+
+    Under ``jit`` a failure never raises inside the step (that would cost every step a
+    host callback, and would delete donated params): it is recorded in the state, every
+    later step is skipped, and this function reports it. Call it where you log; it reads
+    one scalar from the device (and, only on a failure, the rest of the loss-scale state
+    for the message). Params and optimizer state stay readable and checkpointable.
+
+    Args:
+      state: a loss-scale state, or anything :func:`get_loss_scale` accepts (an
+        opt_state, a TrainState, an nnx Optimizer); replicated (pmap) states are fine.
+      params: optional; the params (or gradients) whose leaves name the non-finite
+        gradient leaves in a ``max_consecutive_skips`` message.
+      path: as for :func:`get_loss_scale`.
+
+    Returns:
+      ``None`` if the state has not failed.
+
+    Raises:
+      LossScaleError: with the full message, if the state has failed.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import loss_scaling as ls
+      >>> tx = ls.with_loss_scaling(optax.sgd(1.0), ls.DynamicLossScale(init_scale=2.0**-126))
+      >>> params = jnp.ones(2)
+      >>> opt_state = tx.init(params)
+      >>> step = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p), donate_argnums=(1, 2))
+      >>> params, opt_state = step(jnp.array([jnp.inf, 0.0]), opt_state, params)   # no raise
+      >>> params                      # readable, bit-identical to before the step
+      Array([1., 1.], dtype=float32)
+      >>> ls.check(opt_state)
+      Traceback (most recent call last):
+      ...
+      loss_scaling.LossScaleError: loss scale backoff failed: ...
+    """
+    if isinstance(state, NoOpLossScale):
+        return
+    if isinstance(state, StaticLossScale):
+        scale = _host(state.loss_scale)
+        valid = np.isfinite(scale) & (scale >= np.finfo(np.float32).tiny)
+        if not np.all(valid):
+            bad = scale.reshape(-1)[int(np.argmin(valid.reshape(-1)))]
+            raise _errors.LossScaleError(_errors.invalid_scale_message(bad))
+        return
+    if isinstance(state, DynamicLossScale):
+        failure = _host(state.failure)
+        if np.any(failure != _errors.Failure.NONE):
+            raise _errors.LossScaleError(
+                scalers.failure_message(_first_failing(state, failure)))
+        return
+    wrapper = _get_wrapper_state(state, path)
+    failure = _host(wrapper.failure)
+    if np.any(failure != _errors.Failure.NONE):
+        names = None if params is None else leaf_names(params)
+        raise _errors.LossScaleError(
+            failure_message(_first_failing(wrapper, failure), names))

@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import operator
-from typing import Any
+import warnings
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ import numpy as np
 from jax.tree_util import GetAttrKey
 
 from loss_scaling import _errors
+from loss_scaling._errors import Failure
 
 __all__ = [
     "DynamicLossScale",
@@ -251,12 +253,13 @@ class DynamicLossScale:
       1024.0
     """
 
-    __slots__ = ("loss_scale", "growth_tracker", "nonfinite_tracker", "config")
+    __slots__ = ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure", "config")
     __setattr__ = _frozen_setattr
     __delattr__ = _frozen_delattr
     loss_scale: jax.Array
     growth_tracker: jax.Array
     nonfinite_tracker: jax.Array
+    failure: jax.Array
     config: DynamicConfig
 
     def __init__(
@@ -282,10 +285,17 @@ class DynamicLossScale:
         object.__setattr__(self, "loss_scale", jnp.asarray(init, jnp.float32))
         object.__setattr__(self, "growth_tracker", jnp.zeros((), jnp.int32))
         object.__setattr__(self, "nonfinite_tracker", jnp.zeros((), jnp.int32))
+        object.__setattr__(self, "failure", jnp.zeros((), jnp.int32))
 
     @classmethod
-    def _from_parts(cls, config: DynamicConfig, leaves: tuple[Any, Any, Any]) -> DynamicLossScale:
-        """Rebuilds a state without validation (unflatten, serialization after checks)."""
+    def _from_parts(cls, config: DynamicConfig, leaves: tuple[Any, ...]) -> DynamicLossScale:
+        """Rebuilds a state without validation (unflatten, serialization after checks).
+
+        ``leaves`` are ``(loss_scale, growth_tracker, nonfinite_tracker[, failure])``; a
+        missing ``failure`` (a state saved before it existed) is healthy.
+        """
+        if len(leaves) == len(_DYNAMIC_LEAVES) - 1:
+            leaves = (*leaves, jnp.zeros((), jnp.int32))
         self = object.__new__(cls)
         object.__setattr__(self, "config", config)
         for name, leaf in zip(_DYNAMIC_LEAVES, leaves, strict=True):
@@ -305,7 +315,8 @@ class DynamicLossScale:
                            for f in dataclasses.fields(self.config))
         return (f"DynamicLossScale(loss_scale={self.loss_scale!r}, "
                 f"growth_tracker={self.growth_tracker!r}, "
-                f"nonfinite_tracker={self.nonfinite_tracker!r}, {fields})")
+                f"nonfinite_tracker={self.nonfinite_tracker!r}, "
+                f"failure={self.failure!r}, {fields})")
 
 
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
@@ -373,7 +384,7 @@ def loss_scale_for(compute_dtype: Any, **dynamic_options: Any) -> LossScale:
 
 # ------------------------------------------------------------------ pytree registration
 
-_DYNAMIC_LEAVES = ("loss_scale", "growth_tracker", "nonfinite_tracker")
+_DYNAMIC_LEAVES = ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure")
 
 jax.tree_util.register_pytree_with_keys(
     NoOpLossScale,
@@ -440,10 +451,18 @@ def _as_finite_flag(grads_finite: Any) -> jax.Array:
 
 def _dynamic_step(
     state: DynamicLossScale, finite: jax.Array
-) -> tuple[DynamicLossScale, jax.Array, jax.Array]:
-    """One application of the rule; returns (new state, backoff failed, backoff value)."""
+) -> tuple[DynamicLossScale, jax.Array]:
+    """One application of the rule; returns (new state, whether it failed on this step).
+
+    Fail closed and sticky: a backoff below the normal float32 range, or a scale that is
+    not a positive normal float32 on arrival, records a :class:`Failure` code and keeps
+    every value as it was (the scale at its last valid value, never 0, subnormal or NaN);
+    a failed state never changes again.
+    """
     config = state.config
     scale, tracker, streak = state.loss_scale, state.growth_tracker, state.nonfinite_tracker
+    healthy = state.failure == 0
+    valid = is_positive_normal(scale)
 
     # Clean step: count, and grow on the growth_interval-th one unless that overflows.
     counted = tracker + 1
@@ -462,55 +481,103 @@ def _dynamic_step(
     if config.min_scale is not None:
         shrunk = jnp.maximum(shrunk, jnp.float32(config.min_scale))
     # `>= tiny` rather than `> 0`: XLA on CPU flushes subnormals to zero, GPUs may not.
-    leaves_range = backs_off & ~(shrunk >= jnp.float32(_F32.tiny))
-    # A failed backoff poisons the scale (NaN) so that it can never be used silently,
-    # even where the run-time error cannot be raised.
-    shrunk = jnp.where(leaves_range, jnp.float32(jnp.nan), shrunk)
-    bad_scale = jnp.where(backs_off, shrunk, scale)
+    underflow = ~finite & backs_off & ~(shrunk >= jnp.float32(_F32.tiny))
 
-    new_state = DynamicLossScale._from_parts(
-        config,
-        (
-            jnp.where(finite, clean_scale, bad_scale),
-            jnp.where(finite, clean_tracker, jnp.zeros_like(tracker)),
-            jnp.where(finite, jnp.zeros_like(streak), bad_streak),
-        ),
+    code = jnp.where(~valid, Failure.INVALID_SCALE,
+                     jnp.where(underflow, Failure.BACKOFF_UNDERFLOW, Failure.NONE))
+    fails = healthy & (code != Failure.NONE)
+    frozen = ~healthy | fails
+    stepped = (
+        jnp.where(finite, clean_scale, jnp.where(backs_off, shrunk, scale)),
+        jnp.where(finite, clean_tracker, jnp.zeros_like(tracker)),
+        jnp.where(finite, jnp.zeros_like(streak), bad_streak),
     )
-    return new_state, ~finite & leaves_range, scale * jnp.float32(config.backoff_factor)
+    old = (scale, tracker, streak)
+    new_state = DynamicLossScale._from_parts(config, (
+        *(jnp.where(frozen, before, after) for before, after in zip(old, stepped, strict=True)),
+        jnp.where(healthy, code.astype(jnp.int32), state.failure),
+    ))
+    return new_state, fails
 
 
 _dynamic_step_jit = jax.jit(_dynamic_step)
 
 
-def update(state: LossScale, grads_finite: Any, *, runtime_check: bool = True) -> LossScale:
+def is_positive_normal(scale: Any) -> jax.Array:
+    """In-graph: whether ``scale`` is a finite, positive, normal float32 (NaN is not)."""
+    scale = jnp.asarray(scale, jnp.float32)
+    return (scale >= jnp.float32(_F32.tiny)) & (scale <= jnp.float32(_F32.max))
+
+
+OnFailure = Literal["record", "raise"]
+
+
+def resolve_on_failure(on_failure: Any, runtime_check: bool | None, where: str) -> OnFailure:
+    """Checks ``on_failure``; maps the deprecated ``runtime_check`` onto it, with a warning."""
+    if runtime_check is not None:
+        warnings.warn(
+            f"{where}(runtime_check=...) is deprecated: failures are now recorded in the state "
+            "(check them on the host with `loss_scaling.check(state)`). Use "
+            "on_failure='raise' for the immediate host-callback raise runtime_check=True "
+            "gave, or leave the default on_failure='record'.",
+            DeprecationWarning, stacklevel=3)
+        on_failure = "raise" if runtime_check else "record"
+    if on_failure not in ("record", "raise"):
+        raise ValueError(
+            f"on_failure must be 'record' (the default: the failure is kept in the state and "
+            f"`loss_scaling.check` raises it on the host) or 'raise' (an immediate raise from "
+            f"a host callback, for debugging), got {on_failure!r}.")
+    return on_failure
+
+
+def failure_message(scaler: DynamicLossScale | StaticLossScale) -> str:
+    """The host-side message for a failed scaler (concrete, unreplicated values)."""
+    code = Failure(int(np.asarray(getattr(scaler, "failure", Failure.INVALID_SCALE))))
+    if code == Failure.BACKOFF_UNDERFLOW:
+        assert isinstance(scaler, DynamicLossScale)
+        return _errors.backoff_underflow_message(scaler.loss_scale, scaler.config.backoff_factor)
+    return _errors.invalid_scale_message(scaler.loss_scale)
+
+
+def update(
+    state: LossScale,
+    grads_finite: Any,
+    *,
+    on_failure: OnFailure = "record",
+    runtime_check: bool | None = None,
+) -> LossScale:
     """Returns the state for the next step, given whether this step's gradients were finite.
 
     Call it on every step, skipped or not, after the optimizer step. ``NoOpLossScale`` and
     ``StaticLossScale`` are returned unchanged; ``DynamicLossScale`` follows the rule in
     its docstring.
 
+    A backoff that would leave the normal float32 range (without ``min_scale``), or a
+    scale that is not a positive normal float32 on arrival, fails closed: called eagerly,
+    ``update`` raises :class:`LossScaleError`; under ``jit`` the returned state records
+    the failure (``state.failure != 0``), keeps its last valid scale and never changes
+    again, and :func:`loss_scaling.check` raises the full message on the host. Nothing is
+    compiled into the step for this but a few scalar operations.
+
     Args:
       state: the current loss-scale state.
       grads_finite: a scalar bool (Python or array), e.g. from :func:`all_finite`.
-      runtime_check: under ``jit``, raise at run time when a backoff leaves the normal
-        float32 range (the default). The check is a host callback in the untaken branch of
-        a ``lax.cond``: no device round trip on healthy steps, but JAX dispatches any
-        executable holding a host callback on its slower path (about 1 ms of host time
-        per step, see the README). ``False`` leaves it out: the failed scale is then NaN,
-        so every later step is skipped (still fail-closed, but silent). Nothing is
-        compiled in either way when ``min_scale`` is set, since the backoff cannot fail.
+      on_failure: ``"record"`` (the default) or ``"raise"``: under ``jit``, also raise at
+        once from a host callback when the state fails. Debugging only: any executable
+        holding a callback leaves JAX's fast dispatch path (about 1 ms of host time per
+        step, see the README), and a raise inside a donated step deletes its inputs.
+      runtime_check: deprecated; ``True`` is ``on_failure="raise"``, ``False`` the default.
 
     Returns:
       The new state, of the same kind and configuration.
 
     Raises:
-      LossScaleError: called eagerly, when a backoff would leave the normal float32 range
-        and no ``min_scale`` is set. Under ``jit`` the step fails at run time with the same
-        message; healthy steps pay no host round trip for the check.
-      ValueError: if ``grads_finite`` is not a scalar bool.
+      LossScaleError: called eagerly, when the new state has failed.
+      ValueError: if ``grads_finite`` is not a scalar bool, or ``on_failure`` is unknown.
       TypeError: if ``state`` is not a loss-scale state.
 
     Examples:
+      >>> import jax
       >>> import loss_scaling as ls
       >>> s = ls.DynamicLossScale(init_scale=2.0**-125)
       >>> s = ls.update(s, False)   # 2**-126 is still normal
@@ -518,7 +585,11 @@ def update(state: LossScale, grads_finite: Any, *, runtime_check: bool = True) -
       Traceback (most recent call last):
       ...
       loss_scaling.LossScaleError: loss scale backoff failed: ...
+      >>> failed = jax.jit(ls.update)(s, False)     # under jit: recorded, not raised
+      >>> float(failed.loss_scale), int(failed.failure)
+      (1.1754943508222875e-38, 1)
     """
+    on_failure = resolve_on_failure(on_failure, runtime_check, "update")
     if isinstance(state, (NoOpLossScale, StaticLossScale)):
         _as_finite_flag(grads_finite)
         return state
@@ -528,13 +599,16 @@ def update(state: LossScale, grads_finite: Any, *, runtime_check: bool = True) -
         )
     finite = _as_finite_flag(grads_finite)
     if any(_is_traced(x) for x in jax.tree.leaves((state, finite))):
-        new_state, failed, attempted = _dynamic_step(state, finite)
-        if runtime_check and state.config.min_scale is None:  # with a floor it cannot fail
-            _errors.raise_if_backoff_underflow(
-                failed, state.loss_scale, attempted, state.config.backoff_factor)
+        new_state, fails = _dynamic_step(state, finite)
+        if on_failure == "raise":
+            _errors.raise_in_graph(fails, _message_from_leaves(new_state.config),
+                                   *jax.tree.leaves(new_state))
         return new_state
-    new_state, failed, attempted = _dynamic_step_jit(state, finite)
-    if bool(failed):
-        raise _errors.LossScaleError(_errors.backoff_underflow_message(
-            state.loss_scale, state.config.backoff_factor, attempted))
+    new_state, _ = _dynamic_step_jit(state, finite)
+    if np.any(np.asarray(new_state.failure)):
+        raise _errors.LossScaleError(failure_message(new_state))
     return new_state
+
+
+def _message_from_leaves(config: DynamicConfig) -> Any:
+    return lambda *leaves: failure_message(DynamicLossScale._from_parts(config, leaves))

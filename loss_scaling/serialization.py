@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from loss_scaling._errors import Failure
 from loss_scaling.scalers import (
     DynamicConfig,
     DynamicLossScale,
@@ -102,8 +103,10 @@ def _show(value: Any) -> str:
 # ---------------------------------------------------------------------------- parsing
 
 
-def _mapping(name: str | None, value: Any, keys: tuple[str, ...]) -> Mapping[str, Any]:
-    """``value`` as a mapping with exactly ``keys``; ``name`` None for the top level."""
+def _mapping(name: str | None, value: Any, keys: tuple[str, ...],
+             optional: tuple[str, ...] = ()) -> Mapping[str, Any]:
+    """``value`` as a mapping with exactly ``keys`` (and any of ``optional``); ``name`` None
+    for the top level."""
     what = "the state dict" if name is None else name
     prefix = "" if name is None else f"{name}."
     if not isinstance(value, Mapping):
@@ -113,7 +116,7 @@ def _mapping(name: str | None, value: Any, keys: tuple[str, ...]) -> Mapping[str
         )
     missing = [prefix + k for k in keys if k not in value]
     extra = [prefix + (k if isinstance(k, str) and k.isidentifier() else _show(k))
-             for k in value if not (isinstance(k, str) and k in keys)]
+             for k in value if not (isinstance(k, str) and (k in keys or k in optional))]
     if missing or extra:
         problems = []
         if missing:
@@ -209,7 +212,8 @@ def _parse(d: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
             f"{_INVALID}unknown kind {_show(kind)}: expected one of {list(_CONFIG_KEYS)}."
         )
     raw_config = _mapping("config", d["config"], _CONFIG_KEYS[kind])
-    raw_values = _mapping("values", d["values"], _VALUE_KEYS[kind])
+    raw_values = _mapping("values", d["values"], _VALUE_KEYS[kind],
+                          optional=("failure",) if kind == "dynamic" else ())
     if kind == "noop":
         return kind, None, {}
     loss_scale = _scale("values.loss_scale", raw_values["loss_scale"])
@@ -250,10 +254,14 @@ def _parse(d: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
         "values.nonfinite_tracker",
         _integer("values.nonfinite_tracker", raw_values["nonfinite_tracker"]),
         0, config.hysteresis, "config.hysteresis")
+    failure = _in_range(
+        "values.failure", _integer("values.failure", raw_values.get("failure", 0)),
+        0, max(Failure), "the largest loss_scaling.Failure code")
     return kind, config, {
         "loss_scale": loss_scale,
         "growth_tracker": growth_tracker,
         "nonfinite_tracker": nonfinite_tracker,
+        "failure": failure,
     }
 
 
@@ -267,6 +275,7 @@ def _build(kind: str, config: DynamicConfig | None, values: dict[str, Any]) -> L
         jnp.asarray(values["loss_scale"], jnp.float32),
         jnp.asarray(values["growth_tracker"], jnp.int32),
         jnp.asarray(values["nonfinite_tracker"], jnp.int32),
+        jnp.asarray(values.get("failure", 0), jnp.int32),
     ))
 
 
@@ -359,6 +368,9 @@ def state_dict(scaler: LossScale) -> dict[str, Any]:
         values["loss_scale"] = _read("loss_scale", scaler.loss_scale, integer=False)
         for name in ("growth_tracker", "nonfinite_tracker"):
             values[name] = _read(name, getattr(scaler, name), integer=True)
+        failure = _read("failure", scaler.failure, integer=True)
+        if failure:  # written only when set: a healthy state's dict is unchanged
+            values["failure"] = failure
     d = {"format_version": FORMAT_VERSION, "kind": kind, "config": config, "values": values}
     _parse(d)
     return d
@@ -684,8 +696,9 @@ def _restore_nnx(state: Any, saved: Any, *, adopt_config: bool, path: str | None
 _FLAX_LEAVES = {
     NoOpLossScale: (),
     StaticLossScale: ("loss_scale",),
-    DynamicLossScale: ("loss_scale", "growth_tracker", "nonfinite_tracker"),
+    DynamicLossScale: ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure"),
 }
+_FLAX_OPTIONAL = ("failure",)  # absent from bytes written before failures were recorded
 
 
 def _flax_to_state_dict(scaler: LossScale) -> dict[str, Any]:
@@ -719,7 +732,8 @@ def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
     if integer:
         assert isinstance(target, DynamicLossScale)  # the only kind with integer leaves
         config = target.config
-        high = config.growth_interval - 1 if name == "growth_tracker" else config.hysteresis
+        high = {"growth_tracker": config.growth_interval - 1,
+                "nonfinite_tracker": config.hysteresis}.get(name, max(Failure))
         if array.size and not (array.min() >= 0 and array.max() <= high):
             raise _flax_error(
                 f"{name} must lie in [0, {high}] for the target's configuration, got "
@@ -746,6 +760,9 @@ def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
 
 def _flax_from_state_dict(target: LossScale, state: Any) -> LossScale:
     names = _FLAX_LEAVES[type(target)]
+    if isinstance(state, Mapping) and set(names) - set(state) <= set(_FLAX_OPTIONAL):
+        state = {"failure": np.zeros_like(np.asarray(state.get("loss_scale", 0)), np.int32),
+                 **state} if "failure" in names else state
     if not isinstance(state, Mapping) or set(state) != set(names):
         got = sorted(map(_show, state)) if isinstance(state, Mapping) else _show(state)
         raise _flax_error(f"expected a dict with exactly the keys {list(names)}, got {got}.")

@@ -2,14 +2,18 @@
 
 ``with_loss_scaling(inner, scaler)`` takes the gradients of the *scaled* loss. One update:
 
-1. ``finite``: per gradient leaf, whether its unscaled values are all finite, read from
-   the raw gradients in one reduction per leaf (the unscaled tree is never materialized
-   for the test); AND-reduced over ``axis_name`` when given. With ``loss=...``, the loss
-   must be finite too.
-2. If finite, unscale and run the inner update (so clipping in the inner chain sees true
-   gradients). If not, skip it: the inner state is returned untouched and the updates are
-   ``-0.0`` (``p + -0.0 == p`` bit for bit, ``-0.0`` params included, unlike ``+0.0``).
-3. Update the loss scale, the counters and the per-leaf diagnostics, always.
+1. ``apply``: the state is healthy (no recorded failure, a positive normal scale) and,
+   per gradient leaf, every unscaled element is finite, read from the raw gradients in
+   one fused reduction per leaf (the unscaled tree is never materialized for the test);
+   AND-reduced over ``axis_name`` when given. With ``loss=...``, the loss must be finite
+   too; a ``grad=`` extra argument is checked (and unscaled) like the gradients.
+2. If ``apply``, unscale and run the inner update (so clipping in the inner chain sees
+   true gradients). If not, skip it: the inner state is returned untouched and the
+   updates are ``-0.0`` (``p + -0.0 == p`` bit for bit, ``-0.0`` params included).
+3. Update the loss scale, the counters and the per-leaf diagnostics, always. A failure
+   (a backoff out of the float32 range, ``max_consecutive_skips``, an invalid scale) is
+   recorded in the state, sticky: every later step is skipped, and
+   :func:`loss_scaling.check` raises it on the host. No host callback on the step.
 
 The fused :func:`apply_gradients` puts the inner update *and* ``apply_updates`` under
 one skip decision, so the updates tree never leaves it: the cheapest path (see the
@@ -28,6 +32,7 @@ import optax
 from jax import lax
 
 from loss_scaling import _errors, scalers, tree
+from loss_scaling._errors import Failure
 from loss_scaling.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from loss_scaling.tree import AxisName
 
@@ -41,6 +46,8 @@ __all__ = [
 SkipMode = Literal["auto", "cond", "select"]
 NonFiniteLoss = Literal["backoff", "skip"]
 SCALER_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+GRADIENT_EXTRA_ARGS = ("grad",)
+"""Extra arguments of ``update`` that hold gradients of the scaled loss: unscaled and checked."""
 
 
 class LossScalingState(NamedTuple):
@@ -51,16 +58,18 @@ class LossScalingState(NamedTuple):
         ``DynamicLossScale``) that scales the *next* step's loss.
       inner_state: the wrapped optimizer's state; unchanged by skipped steps.
       skipped_steps: int32, steps skipped in total (saturating).
-      consecutive_skips: int32, steps skipped since the last finite one (saturating).
+      consecutive_skips: int32, steps skipped since the last applied one (saturating).
       last_step_finite: bool, whether the last step was applied.
       nonfinite_loss_steps: int32, steps skipped because the ``loss`` passed to the
         update was itself non-finite (saturating).
-      nonfinite_grads: bool vector with one entry per params leaf, in ``jax.tree.leaves``
-        order: ``True`` where that gradient leaf was non-finite on the most recent
-        skipped step (:func:`loss_scaling.nonfinite_grad_paths` names them). A vector,
-        not a params-shaped tree: ``optax.tree_map_params`` (sharding specs for optimizer
-        states) must not mistake it for params, and its structure must not depend on
-        the params, which ``tree_map_params`` replaces by one placeholder.
+      nonfinite_grads: bool vector with one entry per gradient leaf, in
+        ``jax.tree.leaves`` order: ``True`` where that gradient leaf was non-finite on the
+        most recent step skipped for its gradients (:func:`loss_scaling.nonfinite_grad_paths`
+        names them). A vector, not a params-shaped tree: ``optax.tree_map_params``
+        (sharding specs for optimizer states) must not mistake it for params.
+      failure: int32 :class:`loss_scaling.Failure` code, 0 while healthy. Once set it never
+        changes: every later step is skipped and :func:`loss_scaling.check` raises.
+      failure_skips: int32, the consecutive skips when the run failed (0 while healthy).
     """
 
     scaler: LossScale
@@ -70,14 +79,19 @@ class LossScalingState(NamedTuple):
     last_step_finite: jax.Array
     nonfinite_loss_steps: jax.Array
     nonfinite_grads: jax.Array
+    failure: jax.Array
+    failure_skips: jax.Array
 
 
-def _resolve_skip(skip: SkipMode) -> Literal["cond", "select"]:
-    if skip == "auto":
-        # Measured in benchmarks/overhead.py: a conditional is the cheaper skip on
-        # CPU and GPU alike (see the README's tables).
+def _resolve_skip(skip: SkipMode, fused: bool) -> Literal["cond", "select"]:
+    if skip != "auto":
+        return skip
+    # Measured in benchmarks/overhead.py (see docs/performance.md): the fused step is
+    # cheapest as a conditional everywhere. The plain step must hand its updates out of
+    # the decision; on GPU a select of them fused better than a conditional.
+    if fused or jax.default_backend() == "cpu":
         return "cond"
-    return skip
+    return "select"
 
 
 def _fresh(scaler: LossScale) -> LossScale:
@@ -101,9 +115,9 @@ def _vary(x: Any, axes: frozenset[Any]) -> Any:
     return lax.pcast(x, tuple(sorted(missing, key=str)), to="varying") if missing else x
 
 
-def _skip_cond(finite: jax.Array, step: Callable[[Any], Any], skip_step: Callable[[Any], Any],
+def _skip_cond(apply: jax.Array, step: Callable[[Any], Any], skip_step: Callable[[Any], Any],
                operands: Any) -> Any:
-    """``lax.cond(finite, step, skip_step, operands)``, valid under ``shard_map``'s vma checks.
+    """``lax.cond(apply, step, skip_step, operands)``, valid under ``shard_map``'s vma checks.
 
     Inside ``shard_map`` the two branches can disagree on the mesh axes an output varies
     over, e.g. tensor-parallel updates vary over "model" where the ``-0.0`` of a skip does
@@ -112,19 +126,19 @@ def _skip_cond(finite: jax.Array, step: Callable[[Any], Any], skip_step: Callabl
     the result. Outside ``shard_map`` this is a plain ``lax.cond``.
     """
     if not jax.sharding.get_abstract_mesh().manual_axes:
-        return lax.cond(finite, step, skip_step, operands)
+        return lax.cond(apply, step, skip_step, operands)
     stepped, skipped = (jax.eval_shape(f, operands) for f in (step, skip_step))
     axes = jax.tree.map(lambda a, b: _varying_axes(a) | _varying_axes(b), stepped, skipped)
 
     def cast(branch: Callable[[Any], Any]) -> Callable[[Any], Any]:
         return lambda operands: jax.tree.map(_vary, branch(operands), axes)
 
-    return lax.cond(finite, cast(step), cast(skip_step), operands)
+    return lax.cond(apply, cast(step), cast(skip_step), operands)
 
 
-def _count(counter: jax.Array, finite: jax.Array, reset: bool) -> jax.Array:
+def _count(counter: jax.Array, reset_when: jax.Array, reset: bool) -> jax.Array:
     stepped = optax.safe_increment(counter)
-    return jnp.where(finite, jnp.zeros_like(counter) if reset else counter, stepped)
+    return jnp.where(reset_when, jnp.zeros_like(counter) if reset else counter, stepped)
 
 
 class _Core(NamedTuple):
@@ -132,8 +146,8 @@ class _Core(NamedTuple):
 
     inner: optax.GradientTransformationExtraArgs
     axis_name: AxisName
-    skip: Literal["cond", "select"]
-    runtime_check: bool
+    skip: SkipMode
+    on_failure: scalers.OnFailure
     max_consecutive_skips: int | None
     nonfinite_loss: NonFiniteLoss
 
@@ -148,48 +162,79 @@ class LossScalingTransformation(optax.GradientTransformationExtraArgs):
     core: _Core  # set per instance; a NamedTuple subclass without __slots__ has a __dict__
 
 
+def gradient_leaf_count(params: Any) -> int:
+    """How many gradient leaves an update receives for ``params``.
+
+    The gradients mirror the params, except for optimizers whose ``params`` carry more
+    than is differentiated: ``optax.lookahead`` takes ``LookaheadParams(fast, slow)`` but
+    gradients of ``fast`` only.
+    """
+    if isinstance(params, optax.LookaheadParams):
+        params = params.fast
+    return len(jax.tree.leaves(params))
+
+
 def with_loss_scaling(
     inner: optax.GradientTransformation,
     scaler: LossScale | None = None,
     *,
     axis_name: AxisName = None,
     skip: SkipMode = "auto",
-    runtime_check: bool = True,
+    on_failure: scalers.OnFailure = "record",
     max_consecutive_skips: int | None = None,
     nonfinite_loss: NonFiniteLoss = "backoff",
+    runtime_check: bool | None = None,
 ) -> LossScalingTransformation:
     """Wraps ``inner`` so that it takes gradients of the scaled loss and skips bad steps.
 
     Each update unscales the gradients by the factor that scaled this step's loss, checks
-    them, runs ``inner`` only if they are all finite, and then updates the loss scale. A
-    non-finite step leaves the inner state bit-identical and returns ``-0.0`` updates, so
-    ``optax.apply_updates`` leaves every parameter bit-identical too. It never gives up and
-    applies a non-finite update, however many steps in a row are skipped.
+    them, runs ``inner`` only if every unscaled element is finite, and then updates the
+    loss scale. A skipped step leaves the inner state bit-identical and returns ``-0.0``
+    updates, so ``optax.apply_updates`` leaves every parameter bit-identical too. It never
+    gives up and applies a non-finite update, however many steps in a row are skipped.
+
+    Failures are fail-closed and cost nothing on healthy steps: a backoff below the normal
+    float32 range (without ``min_scale``), ``max_consecutive_skips`` reached, or a scale
+    that is not a positive normal float32 (an unvalidated restore) is recorded in the
+    state; from then on every step is skipped (params and inner state bit-identical, the
+    scale at its last valid value, the counters counting), and
+    :func:`loss_scaling.check` raises :class:`loss_scaling.LossScaleError` with the full
+    message on the host. Call it where you log. An eager (un-jitted) update raises at once.
 
     Args:
       inner: the optimizer to wrap (any optax transformation; extra arguments given to
-        ``update`` are forwarded to it).
+        ``update`` are forwarded to it). ``grad=`` (as ``optax.lbfgs`` takes it) holds
+        gradients of the scaled loss too: it is unscaled and checked like them. Others
+        (``value=``, ``value_fn=``, ...) pass through untouched: give them unscaled.
       scaler: the initial loss-scale state; ``DynamicLossScale()`` by default.
       axis_name: inside ``pmap`` / ``shard_map``, the axis name (or names) over which the
         finite flags are AND-reduced so that every replica skips together.
       skip: how a skipped step is implemented: ``"cond"`` (a ``lax.cond`` around the
         inner update), ``"select"`` (compute, then select), or ``"auto"`` (the one
-        measured faster on the current backend).
-      runtime_check: passed to :func:`loss_scaling.update`: whether a backoff out of the
-        float32 range raises at run time under ``jit`` (a host callback that JAX's
-        dispatch pays for on every step) or only poisons the scale with NaN.
+        measured faster for the path and backend, see the performance guide).
+      on_failure: ``"record"`` (the default: the failure is state, raised on the host by
+        :func:`loss_scaling.check`) or ``"raise"``: also raise at once, from a host
+        callback compiled into the step. Debugging only: any executable holding a
+        callback leaves JAX's fast dispatch path (every step pays about 1 ms of host
+        time), and a raise inside a donated step deletes the donated params and state.
       max_consecutive_skips: optional guard for runs that cannot recover: after this many
-        consecutive skipped steps the step fails (``LossScaleError`` eagerly, a run-time
-        error under ``jit``) with the count, the scale and the non-finite gradient leaves,
-        instead of skipping forever. ``None`` (the default) compiles no check.
+        consecutive skipped steps the run fails (as above) with the count, the scale and
+        the non-finite gradient leaves, instead of skipping forever. ``None`` (the
+        default) adds nothing to the step.
       nonfinite_loss: what a non-finite ``loss`` passed to ``update(..., loss=loss)`` does.
         It is not an overflow of the scaled gradients (the forward pass itself produced
         inf/NaN), so ``"skip"`` skips the step and leaves the loss scale untouched, while
         ``"backoff"`` (the default) treats it like a gradient overflow. Either way it is
         counted in ``nonfinite_loss_steps``.
+      runtime_check: deprecated; ``True`` is ``on_failure="raise"``, ``False`` the default.
 
     Returns:
       A :class:`LossScalingTransformation` (an ``optax.GradientTransformationExtraArgs``).
+
+    Raises:
+      ValueError: for an unknown ``skip``, ``on_failure`` or ``nonfinite_loss``, or a
+        ``max_consecutive_skips`` that is not a positive integer.
+      TypeError: if ``scaler`` is not a loss-scale state.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -207,7 +252,9 @@ def with_loss_scaling(
       >>> updates, opt_state = tx.update(bad, opt_state, params)    # skipped
       >>> optax.apply_updates(params, updates)["w"], float(ls.get_loss_scale(opt_state).loss_scale)
       (Array([1., 2.], dtype=float32), 4.0)
+      >>> ls.check(opt_state)    # healthy: returns None
     """
+    on_failure = scalers.resolve_on_failure(on_failure, runtime_check, "with_loss_scaling")
     if skip not in ("auto", "cond", "select"):
         raise ValueError(f"skip must be 'auto', 'cond' or 'select', got {skip!r}.")
     if nonfinite_loss not in ("backoff", "skip"):
@@ -225,9 +272,8 @@ def with_loss_scaling(
         axis_name = tuple(axis_name)
     inner = optax.with_extra_args_support(inner)
     initial_scaler = scaler
-    core = _Core(inner=inner, axis_name=axis_name, skip=_resolve_skip(skip),
-                 runtime_check=runtime_check, max_consecutive_skips=max_consecutive_skips,
-                 nonfinite_loss=nonfinite_loss)
+    core = _Core(inner=inner, axis_name=axis_name, skip=skip, on_failure=on_failure,
+                 max_consecutive_skips=max_consecutive_skips, nonfinite_loss=nonfinite_loss)
 
     def init_fn(params: optax.Params) -> LossScalingState:
         return LossScalingState(
@@ -237,7 +283,9 @@ def with_loss_scaling(
             consecutive_skips=jnp.zeros((), jnp.int32),
             last_step_finite=jnp.ones((), jnp.bool_),
             nonfinite_loss_steps=jnp.zeros((), jnp.int32),
-            nonfinite_grads=jnp.zeros((len(jax.tree.leaves(params)),), jnp.bool_),
+            nonfinite_grads=jnp.zeros((gradient_leaf_count(params),), jnp.bool_),
+            failure=jnp.zeros((), jnp.int32),
+            failure_skips=jnp.zeros((), jnp.int32),
         )
 
     def update_fn(
@@ -247,14 +295,15 @@ def with_loss_scaling(
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScalingState]:
         check = _check(core, updates, state, extra_args)
+        inverse = tree.reciprocal(state.scaler.loss_scale)
 
         def step(operands: Any) -> Any:
             grads, inner_state, params = operands
-            return inner.update(tree.unscale(state.scaler, grads), inner_state, params,
-                                **extra_args)
+            return inner.update(_unscale(grads, inverse), inner_state, params,
+                                **_unscale_extra_args(extra_args, inverse))
 
         operands = (updates, state.inner_state, params)
-        if core.skip == "cond":
+        if _resolve_skip(core.skip, fused=False) == "cond":
             def skip_step(operands: Any) -> Any:
                 out_shapes = jax.eval_shape(step, operands)
                 return _negative_zeros_like(out_shapes[0]), operands[1]
@@ -272,50 +321,122 @@ def with_loss_scaling(
     return tx
 
 
+def _unscale(grads: Any, inverse: tree.Reciprocal) -> Any:
+    return jax.tree.map(lambda g: tree.unscale_leaf(g, inverse) if tree.is_floating(g) else g,
+                        grads)
+
+
+def _unscale_extra_args(extra_args: dict[str, Any], inverse: tree.Reciprocal) -> dict[str, Any]:
+    return {name: _unscale(value, inverse) if name in GRADIENT_EXTRA_ARGS else value
+            for name, value in extra_args.items()}
+
+
 class _Check(NamedTuple):
     apply: jax.Array  # run the inner step
+    healthy: jax.Array  # no recorded failure and a usable scale
     grads_finite: jax.Array
     loss_finite: jax.Array
-    leaf_finite: Any  # per-leaf flags, shaped like the gradients
+    leaf_finite: jax.Array  # one flag per gradient leaf
+    names_from: Any  # the gradients' structure, to name their leaves in messages
 
 
 def _check(core: _Core, grads: Any, state: LossScalingState, extra_args: dict) -> _Check:
-    leaf_finite, grads_finite = tree.unscaled_finite_leaves(
-        grads, state.scaler.loss_scale, core.axis_name)
+    n_leaves = len(jax.tree.leaves(grads))
+    if state.nonfinite_grads.shape[-1:] != (n_leaves,):
+        raise ValueError(
+            f"the gradients have {n_leaves} leaves but this optimizer state was initialised "
+            f"for {state.nonfinite_grads.shape[-1]} (with_loss_scaling sizes its per-leaf "
+            "diagnostics from the params given to `init`): pass gradients with the structure "
+            "of the params the state was initialised with.")
+    factor = state.scaler.loss_scale
+    leaf_finite, grads_finite = tree.unscaled_finite_leaves(grads, factor, core.axis_name)
+    for name in GRADIENT_EXTRA_ARGS:
+        if extra_args.get(name) is not None:
+            grads_finite &= tree.unscaled_finite_leaves(extra_args[name], factor,
+                                                        core.axis_name)[1]
     loss = extra_args.get("loss")
     loss_finite = jnp.asarray(True)
     if loss is not None:
         loss_finite = jnp.isfinite(jnp.asarray(loss)).all()
         if core.axis_name is not None:
             loss_finite = lax.pmin(loss_finite.astype(jnp.int32), core.axis_name) == 1
-    return _Check(grads_finite & loss_finite, grads_finite, loss_finite, leaf_finite)
+    healthy = (state.failure == Failure.NONE) & scalers.is_positive_normal(factor)
+    return _Check(healthy & grads_finite & loss_finite, healthy, grads_finite, loss_finite,
+                  leaf_finite, jax.tree.map(lambda _: 0, grads))
 
 
 def _next_state(core: _Core, state: LossScalingState, inner_state: Any,
                 check: _Check) -> LossScalingState:
     applied = check.apply
+    failed_before = state.failure != Failure.NONE
     if core.nonfinite_loss == "skip":
         # The forward pass, not the scale, made the loss non-finite: leave the scale be.
-        new_scaler = scalers.update(state.scaler, check.grads_finite,
-                                    runtime_check=core.runtime_check)
-        new_scaler = optax.tree.where(check.loss_finite, new_scaler, state.scaler)
+        stepped_scaler = scalers.update(state.scaler, check.grads_finite)
+        stepped_scaler = optax.tree.where(check.loss_finite, stepped_scaler, state.scaler)
     else:
-        new_scaler = scalers.update(state.scaler, applied, runtime_check=core.runtime_check)
-    flags = jax.tree.leaves(check.leaf_finite)
-    leaf_ok = jnp.stack(flags) if flags else jnp.ones((0,), jnp.bool_)
-    nonfinite_grads = jnp.where(applied, state.nonfinite_grads, ~leaf_ok)
+        stepped_scaler = scalers.update(state.scaler, check.grads_finite & check.loss_finite)
+    consecutive_skips = _count(state.consecutive_skips, applied, reset=True)
+
+    # The first failure wins and is kept; the scaler is frozen from then on.
+    scaler_failure = getattr(stepped_scaler, "failure", jnp.int32(Failure.NONE))
+    failure = jnp.where(~scalers.is_positive_normal(state.scaler.loss_scale),
+                        Failure.INVALID_SCALE, scaler_failure)
+    if core.max_consecutive_skips is not None:
+        failure = jnp.where(
+            (failure == Failure.NONE) & (consecutive_skips >= core.max_consecutive_skips),
+            Failure.TOO_MANY_SKIPS, failure)
+    failure = jnp.where(failed_before, state.failure, failure).astype(jnp.int32)
+    fails = ~failed_before & (failure != Failure.NONE)
+    new_scaler = optax.tree.where(failed_before, state.scaler, stepped_scaler)
+
+    # Flags of the last step skipped for its gradients; frozen once the run has failed.
+    keep_flags = applied | ~check.healthy | check.grads_finite
     new_state = LossScalingState(
         scaler=new_scaler,
         inner_state=inner_state,
         skipped_steps=_count(state.skipped_steps, applied, reset=False),
-        consecutive_skips=_count(state.consecutive_skips, applied, reset=True),
+        consecutive_skips=consecutive_skips,
         last_step_finite=applied,
         nonfinite_loss_steps=_count(state.nonfinite_loss_steps, check.loss_finite, reset=False),
-        nonfinite_grads=nonfinite_grads,
+        nonfinite_grads=jnp.where(keep_flags, state.nonfinite_grads, ~check.leaf_finite),
+        failure=failure,
+        failure_skips=jnp.where(fails, consecutive_skips, state.failure_skips),
     )
-    if core.max_consecutive_skips is not None:
-        _guard_consecutive_skips(core.max_consecutive_skips, new_state, check.leaf_finite)
+    _report(core, new_state, fails, leaf_names(check.names_from))
     return new_state
+
+
+def failure_message(state: LossScalingState, names: list[str] | None = None) -> str:
+    """The host-side message for a failed wrapper state (concrete, one replica).
+
+    ``names`` names the gradient leaves (:func:`leaf_names` of the params or gradients);
+    without them, leaves are named by their index in ``jax.tree.leaves`` order.
+    """
+    code = Failure(int(np.asarray(state.failure)))
+    if code == Failure.TOO_MANY_SKIPS:
+        flags = np.asarray(state.nonfinite_grads).reshape(-1)
+        if names is None or len(names) != flags.size:
+            names = [f"leaf #{i}" for i in range(flags.size)]
+        return _errors.too_many_skips_message(
+            state.failure_skips, jnp.asarray(state.scaler.loss_scale),
+            [name for name, bad in zip(names, flags, strict=True) if bad])
+    if code == Failure.BACKOFF_UNDERFLOW:
+        return scalers.failure_message(state.scaler)  # type: ignore[arg-type]
+    return _errors.invalid_scale_message(jnp.asarray(state.scaler.loss_scale))
+
+
+def _report(core: _Core, state: LossScalingState, fails: jax.Array, names: list[str]) -> None:
+    """Eagerly, raises a failure at once; under ``jit``, only with ``on_failure="raise"``."""
+    values = jax.tree.leaves(state)
+    if not any(isinstance(x, jax.core.Tracer) for x in values):
+        if np.any(np.asarray(state.failure)):
+            raise _errors.LossScaleError(failure_message(state, names))
+        return
+    if core.on_failure == "raise":
+        treedef = jax.tree.structure(state)
+        _errors.raise_in_graph(
+            fails, lambda *leaves: failure_message(jax.tree.unflatten(treedef, leaves), names),
+            *values)
 
 
 def leaf_names(tree: Any) -> list[str]:
@@ -327,34 +448,6 @@ def leaf_names(tree: Any) -> list[str]:
             name += "_"
         names.append(name)
     return names
-
-
-def _guard_consecutive_skips(limit: int, state: LossScalingState, leaf_finite: Any) -> None:
-    """Fails the step once ``limit`` steps in a row were skipped (eagerly or in-graph)."""
-    names = leaf_names(leaf_finite)
-    flags = jax.tree.leaves(leaf_finite)
-    leaf_ok = jnp.stack(flags) if flags else jnp.ones((0,), jnp.bool_)
-    reached = state.consecutive_skips >= limit
-
-    def message(count: Any, scale: Any, ok: Any) -> str:
-        bad = [name for name, good in zip(names, np.asarray(ok).reshape(-1), strict=True)
-               if not good]
-        return _errors.TOO_MANY_SKIPS.format(
-            count=int(np.asarray(count)), limit=limit, scale=float(np.asarray(scale)),
-            leaves=", ".join(bad) or "none (the loss was non-finite)")
-
-    values = (state.consecutive_skips, jnp.asarray(state.scaler.loss_scale), leaf_ok)
-    if not any(isinstance(x, jax.core.Tracer) for x in values):
-        if bool(reached):
-            raise _errors.LossScaleError(message(*values))
-        return
-
-    def host_check(reached: Any, *values: Any) -> None:
-        if np.any(reached):
-            raise _errors.LossScaleError(message(*values))
-
-    lax.cond(reached, lambda *a: jax.debug.callback(host_check, *a), lambda *a: None,
-             reached, *values)
 
 
 def apply_gradients(
@@ -369,8 +462,9 @@ def apply_gradients(
     When ``tx`` comes from :func:`with_loss_scaling`, the inner update *and*
     ``optax.apply_updates`` run under one skip decision with the unscale inside it, so
     neither the unscaled gradients nor the updates are ever materialized: the cheapest
-    step (close to a bare optimizer step). A skipped step returns ``params`` itself. Any
-    other ``tx`` falls back to ``tx.update`` followed by ``optax.apply_updates``.
+    step (one extra read of the gradients over a bare optimizer step). A skipped step
+    returns ``params`` itself. Any other ``tx`` falls back to ``tx.update`` followed by
+    ``optax.apply_updates``.
 
     Args:
       tx: the transformation (ideally the result of :func:`with_loss_scaling`).
@@ -378,7 +472,7 @@ def apply_gradients(
       opt_state: ``tx``'s state.
       params: the parameters.
       **extra_args: forwarded to the inner update; ``loss=`` is also checked (see
-        ``nonfinite_loss`` in :func:`with_loss_scaling`).
+        ``nonfinite_loss`` in :func:`with_loss_scaling`), ``grad=`` unscaled and checked.
 
     Returns:
       ``(new_params, new_opt_state)``.
@@ -399,15 +493,17 @@ def apply_gradients(
         return optax.apply_updates(params, updates), opt_state
 
     check = _check(core, grads, opt_state, extra_args)
+    inverse = tree.reciprocal(opt_state.scaler.loss_scale)
 
     def step(operands: Any) -> Any:
         grads, inner_state, params = operands
         updates, inner_state = core.inner.update(
-            tree.unscale(opt_state.scaler, grads), inner_state, params, **extra_args)
+            _unscale(grads, inverse), inner_state, params,
+            **_unscale_extra_args(extra_args, inverse))
         return optax.apply_updates(params, updates), inner_state
 
     operands = (grads, opt_state.inner_state, params)
-    if core.skip == "cond":
+    if _resolve_skip(core.skip, fused=True) == "cond":
         new_params, new_inner = _skip_cond(check.apply, step, lambda ops: (ops[2], ops[1]),
                                            operands)
     else:

@@ -1,20 +1,27 @@
 """Scaling, unscaling and finiteness over pytrees, with the dtype rules.
 
-* Floating leaves take part; integer and bool leaves pass through untouched (and are
-  ignored by the finiteness test). ``None`` and ``optax.MaskedNode`` hold no leaves.
+* Floating leaves take part: real (float64 down to float8 / float4) and complex. Integer
+  and bool leaves pass through untouched (and are ignored by the finiteness test). ``None``
+  and ``optax.MaskedNode`` hold no leaves.
 * :func:`scale` computes in (at least) float32: a float16 loss of 4.0 at scale 2**15 is
-  131072.0, not inf.
-* :func:`unscale` divides by the same factor in (at least) float32 (as a multiplication by
-  its reciprocal, exact for power-of-two factors) and casts each leaf back to its dtype.
+  131072.0, not inf. Complex leaves are scaled part by part.
+* :func:`unscale` multiplies by the float32 reciprocal of the factor (as PyTorch's kernel
+  does; exact for power-of-two factors) in at least float32, and casts each leaf back to
+  its dtype. The reciprocal of a factor above 2**126 is subnormal, which XLA on CPU flushes
+  to zero: it is applied in two exact steps instead (see :class:`Reciprocal`), so the
+  result is the same bits wherever it is a normal number.
+* One definition of a finite step: every element of every floating leaf, unscaled exactly
+  as :func:`unscale` computes it, is finite (:func:`unscaled_finite_leaves`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from loss_scaling.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
@@ -23,15 +30,27 @@ __all__ = ["all_finite", "scale", "unscale"]
 
 AxisName = str | Sequence[str] | None
 
-
-def _is_floating(x: Any) -> bool:
-    return isinstance(x, float) or (
-        hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating))
+_F32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126
+_SPLIT = 2.0**64  # moves a subnormal float32 reciprocal into the normal range, exactly
 
 
-def _compute_dtype(x: Any) -> Any:
-    """The dtype a leaf is scaled in: its own, promoted to at least float32."""
-    return jnp.promote_types(jnp.result_type(x), jnp.float32)
+def is_floating(x: Any) -> bool:
+    """Whether a leaf is real or complex floating (it is scaled, unscaled and checked)."""
+    return isinstance(x, (float, complex)) or (
+        hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact))
+
+
+def _real_dtype(dtype: Any) -> Any:
+    """A complex dtype's component dtype; a real dtype itself."""
+    return jnp.finfo(dtype).dtype
+
+
+def _compute_dtype(dtype: Any) -> Any:
+    """The real dtype a leaf is (un)scaled in: float64 for 64-bit parts, else float32.
+
+    Explicit rather than ``promote_types``, which refuses float8 / float4 types.
+    """
+    return jnp.float64 if jnp.finfo(dtype).bits > 32 else jnp.float32
 
 
 def _check_state(state: Any) -> None:
@@ -41,47 +60,131 @@ def _check_state(state: Any) -> None:
         )
 
 
+def _per_part(x: jax.Array, fn: Any) -> jax.Array:
+    """``fn`` applied to a real leaf, or to a complex leaf's real and imaginary parts.
+
+    Part by part, because a complex product ``(a + bj) * (s + 0j)`` turns an infinite
+    part into NaN (``inf * 0``) and loses the sign of zeros.
+    """
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return lax.complex(fn(jnp.real(x)), fn(jnp.imag(x)))
+    return fn(x)
+
+
 @jax.jit
 def _scale(factor: jax.Array, tree: Any) -> Any:
     def leaf(x: Any) -> Any:
-        if not _is_floating(x):
+        if not is_floating(x):
             return x
-        dtype = _compute_dtype(x)
-        return jnp.asarray(x, dtype) * factor.astype(dtype)
+        x = jnp.asarray(x)
+        compute = _compute_dtype(x.dtype)
+        return _per_part(x, lambda part: part.astype(compute) * factor.astype(compute))
 
     return jax.tree.map(leaf, tree)
 
 
-def divide_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
-    """``x`` divided by ``factor``, in at least float32, returned in ``x``'s dtype.
+# ----------------------------------------------------------------------- the reciprocal
 
-    Multiplies by the reciprocal: exact for power-of-two factors (every factor the
-    default dynamic scale takes), within 1 ulp otherwise, and unlike a division XLA
-    fuses it into the optimizer's update without a gradient-sized temp buffer
-    (benchmarks/overhead.py).
+
+class Reciprocal(NamedTuple):
+    """``r = float32(1 / scale)``, held as ``normal * post`` with both factors normal.
+
+    For a scale up to 2**126, ``r`` is a normal float32: ``normal = r`` and ``post = 1``.
+    Above, ``r`` is subnormal (PyTorch keeps it; XLA on CPU flushes it to zero, which
+    would unscale every gradient to 0): then ``normal = r * 2**64`` and ``post = 2**-64``.
+    ``(x * normal) * post`` equals ``x * r`` exactly whenever that product is a normal
+    float32, because multiplying by a power of two between normal numbers is exact.
+    ``normal`` is computed from the scale's bits by an integer division, so it is ``r``'s
+    exact value rounded once (to nearest, ties to even), never a twice-rounded one.
     """
-    dtype = _compute_dtype(x)
-    return (jnp.asarray(x, dtype) * (1 / factor.astype(dtype))).astype(jnp.result_type(x))
+
+    normal: jax.Array
+    post: jax.Array
+
+
+def _rounded_quotient(shift: int, mantissa: jax.Array) -> jax.Array:
+    """``round(2**shift / mantissa)`` to nearest, ties to even, in int32 arithmetic.
+
+    ``mantissa`` lies in [2**23, 2**24); long division seven bits at a time keeps every
+    intermediate below 2**31. ``shift`` is 45 or 46, so the quotient is below 2**24.
+    """
+    remainder = jnp.full_like(mantissa, 2**23)
+    quotient = remainder // mantissa
+    remainder = remainder - quotient * mantissa
+    bits = shift - 23
+    while bits:
+        step = min(7, bits)
+        remainder = remainder << step
+        digit = remainder // mantissa
+        quotient = (quotient << step) | digit
+        remainder = remainder - digit * mantissa
+        bits -= step
+    twice = remainder * 2
+    round_up = (twice > mantissa) | ((twice == mantissa) & ((quotient & 1) == 1))
+    return quotient + round_up.astype(quotient.dtype)
+
+
+def reciprocal(scale: jax.Array) -> Reciprocal:
+    """The float32 reciprocal of ``scale`` as a :class:`Reciprocal` (no subnormal in it)."""
+    scale = jnp.asarray(scale, jnp.float32)
+    direct = 1 / scale
+    bits = lax.bitcast_convert_type(scale, jnp.int32)
+    mantissa = (bits & 0x7FFFFF) | 0x800000
+    biased_exponent = (bits >> 23) & 0xFF
+    # scale = mantissa * 2**(e - 150), so 2**149 / scale = 2**(299 - e) / mantissa, and the
+    # subnormal r is that quotient (rounded) times 2**-149. e is 253 or 254 here.
+    quotient = jnp.where(biased_exponent == 254, _rounded_quotient(45, mantissa),
+                         _rounded_quotient(46, mantissa))
+    lifted = quotient.astype(jnp.float32) * jnp.float32(2.0**-85)  # r * 2**64, exact
+    subnormal = (scale > _F32_TINY**-1) & jnp.isfinite(scale)
+    normal = jnp.where(subnormal, lifted, direct)
+    post = jnp.where(subnormal, jnp.float32(1 / _SPLIT), jnp.float32(1.0))
+    # A barrier keeps XLA from folding (x * normal) * post into x * (normal * post) when
+    # the scale is a compile-time constant: that product is the subnormal we avoid.
+    normal, post = lax.optimization_barrier((normal, post))
+    return Reciprocal(normal, post)
+
+
+def unscale_leaf(x: jax.Array, inverse: Reciprocal) -> jax.Array:
+    """One floating leaf times the reciprocal, computed as :func:`unscale` defines it.
+
+    Real parts are multiplied in float32 (float64 for 64-bit parts) and cast back to the
+    leaf's dtype; the finite test and the wrapper's unscale share this function, so they
+    agree on every input.
+    """
+    x = jnp.asarray(x)
+    dtype = _real_dtype(x.dtype)
+    compute = _compute_dtype(x.dtype)
+    if compute == jnp.float64:
+        # float64 keeps the float32 reciprocal's exact value (normal in float64).
+        factor = inverse.normal.astype(compute) * inverse.post.astype(compute)
+        return _per_part(x, lambda part: part * factor)
+    return _per_part(
+        x, lambda part: ((part.astype(compute) * inverse.normal) * inverse.post).astype(dtype))
 
 
 @jax.jit
 def _unscale(factor: jax.Array, tree: Any) -> Any:
-    return jax.tree.map(lambda x: divide_leaf(x, factor) if _is_floating(x) else x, tree)
+    inverse = reciprocal(factor)
+    return jax.tree.map(lambda x: unscale_leaf(x, inverse) if is_floating(x) else x, tree)
 
 
 def scale(state: LossScale, tree: Any) -> Any:
     """Multiplies every floating leaf of ``tree`` (a loss or any pytree) by the loss scale.
 
-    Leaves are computed and returned in at least float32, so a float16 loss is never
-    overflowed by the multiplication itself. With :class:`NoOpLossScale` the tree is
-    returned as it is.
+    Leaves are computed and returned in at least float32 (complex64 for complex leaves),
+    so a float16 loss is never overflowed by the multiplication itself. With
+    :class:`NoOpLossScale` the tree is returned as it is.
 
     Args:
       state: a loss-scale state.
       tree: a scalar loss or any pytree.
 
     Returns:
-      ``tree`` times the factor; float16 / bfloat16 leaves come back as float32.
+      ``tree`` times the factor; float16 / bfloat16 / float8 leaves come back as float32.
+
+    Raises:
+      TypeError: if ``state`` is not a loss-scale state.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -99,7 +202,12 @@ def scale(state: LossScale, tree: Any) -> Any:
 def unscale(state: LossScale, tree: Any) -> Any:
     """Divides every floating leaf of ``tree`` by the loss scale; each leaf keeps its dtype.
 
-    Use the same state that scaled the loss of this step.
+    Use the same state that scaled the loss of this step. The division is a multiplication
+    by the float32 reciprocal of the factor, as PyTorch's ``GradScaler`` does: exact for
+    the power-of-two factors a default :class:`DynamicLossScale` takes, and the same bits
+    as PyTorch's CPU kernel for any factor wherever the result is a normal number. A result
+    that is itself subnormal (or a subnormal gradient) may come back as zero on a backend
+    that flushes subnormals, as XLA on CPU does.
 
     Args:
       state: the loss-scale state that scaled the loss.
@@ -108,12 +216,17 @@ def unscale(state: LossScale, tree: Any) -> Any:
     Returns:
       The unscaled tree, with the same structure and dtypes.
 
+    Raises:
+      TypeError: if ``state`` is not a loss-scale state.
+
     Examples:
       >>> import jax.numpy as jnp
       >>> import loss_scaling as ls
       >>> s = ls.StaticLossScale(1024.0)
       >>> ls.unscale(s, {"w": jnp.array([2048.0, 512.0], jnp.float16)})
       {'w': Array([2. , 0.5], dtype=float16)}
+      >>> ls.unscale(ls.StaticLossScale(2.0**127), jnp.float32(2.0**127))  # 1/scale is subnormal
+      Array(1., dtype=float32)
     """
     _check_state(state)
     if isinstance(state, NoOpLossScale):
@@ -121,28 +234,27 @@ def unscale(state: LossScale, tree: Any) -> Any:
     return _unscale(state.loss_scale, tree)
 
 
-def _reduce_over_axes(finite: jax.Array, axis_name: AxisName) -> jax.Array:
+# -------------------------------------------------------------------------- finiteness
+
+
+def _and_over_axes(flags: jax.Array, axis_name: AxisName) -> jax.Array:
+    """AND over replicas as a min of 0/1 integers: one collective, and no NaN to drop."""
     if axis_name is None:
-        return finite
-    # AND over replicas as a min of 0/1: one scalar collective per step.
-    return lax.pmin(finite.astype(jnp.int32), axis_name) == 1
-
-
-def _finite_leaves(tree: Any) -> list[jax.Array]:
-    return [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if _is_floating(x)]
+        return flags
+    return lax.pmin(flags.astype(jnp.int32), axis_name) == 1
 
 
 def _all_finite(tree: Any, axis_name: AxisName) -> jax.Array:
-    flags = _finite_leaves(tree)
+    flags = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if is_floating(x)]
     finite = jnp.stack(flags).all() if flags else jnp.asarray(True)
-    return _reduce_over_axes(finite, axis_name)
+    return _and_over_axes(finite, axis_name)
 
 
 _all_finite_jit = jax.jit(_all_finite, static_argnames="axis_name")
 
 
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
-    """Whether every floating leaf of ``tree`` is free of inf and NaN.
+    """Whether every floating (real or complex) leaf of ``tree`` is free of inf and NaN.
 
     Integer and bool leaves are ignored; an empty tree is finite.
 
@@ -168,49 +280,25 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
     return _all_finite_jit(tree, axis_name=axis_name)
 
 
-def _unscaled_leaf_finite(x: Any, factor: jax.Array) -> jax.Array:
-    if not _is_floating(x):
-        return jnp.asarray(True)
-    dtype = jnp.result_type(x)
-    compute = _compute_dtype(x)
-    limit = jnp.asarray(jnp.finfo(dtype).max, compute)
-    inverse = 1 / factor.astype(compute)
-    total = jnp.sum(jnp.abs(x), dtype=compute)
-    if jnp.finfo(dtype).max < jnp.finfo(jnp.float32).max / 2:  # float16 and narrower
-        largest = jnp.max(jnp.abs(x)).astype(compute) if jnp.size(x) else total
-        return jnp.isfinite(total) & (largest * inverse <= limit)
-    return total * inverse <= limit
-
-
 def unscaled_finite_leaves(
     tree: Any, factor: jax.Array, axis_name: AxisName = None
-) -> tuple[Any, jax.Array]:
-    """Per leaf, whether ``unscale`` of it by ``factor`` would be finite; and all of them.
+) -> tuple[jax.Array, jax.Array]:
+    """Per floating leaf, whether :func:`unscale` of it by ``factor`` is all finite.
 
-    Read from the raw (scaled) values in one fused reduction per leaf, without
-    materializing the unscaled tree. Per leaf, ``sum(|x|)`` in float32 (float64 for
-    float64 leaves) times ``1 / factor`` must not exceed the leaf dtype's largest value:
-    inf and NaN propagate through a sum, also through the cross-device sum that ``jit``
-    with shardings ends in (a cross-device *max* drops NaN on XLA CPU), and since every
-    entry is at most the sum, no entry can overflow when unscaled. Float16 leaves, whose
-    range a sum of many entries would exceed, compare ``max(|x|)`` instead (plus the sum
-    for NaN: a second reduction). A leaf whose magnitudes sum past float32's range while
-    every entry is finite (entries near 1e31) reads as non-finite: the step is skipped
-    and the scale backs off, the safe direction.
-
-    With ``axis_name``, the per-leaf flags are AND-reduced over the named axes in one
-    collective (a ``pmin`` of one int32 per leaf), so every replica agrees on both.
+    The test is the definition itself, ``all(isfinite(unscale_leaf(x)))``, read from the
+    raw (scaled) values in one fused reduction per leaf: the unscaled tree is never
+    materialized. No sum-based shortcut: a sum can overflow where no element does. The
+    reduction is over booleans, so neither a cross-device reduction under sharded ``jit``
+    nor the ``axis_name`` collective (a ``pmin`` of one int32 per leaf) can drop a NaN.
 
     Returns:
-      ``(flags, finite)``: a tree of scalar bools shaped like ``tree`` (``True`` for
-      non-floating leaves) and their AND.
+      ``(flags, finite)``: a bool vector with one entry per leaf of ``tree``, in
+      ``jax.tree.leaves`` order (``True`` for integer and bool leaves), and their AND.
     """
-    flags = jax.tree.map(lambda x: _unscaled_leaf_finite(x, factor), tree)
-    leaves, treedef = jax.tree.flatten(flags)
-    if not leaves:
-        return flags, jnp.asarray(True)
-    stacked = jnp.stack(leaves)
-    if axis_name is not None:
-        stacked = lax.pmin(stacked.astype(jnp.int32), axis_name) == 1
-    return jax.tree.unflatten(treedef, list(stacked)), stacked.all()
-
+    inverse = reciprocal(factor)
+    flags = [jnp.isfinite(unscale_leaf(x, inverse)).all() if is_floating(x)
+             else jnp.asarray(True) for x in jax.tree.leaves(tree)]
+    if not flags:
+        return jnp.ones((0,), jnp.bool_), jnp.asarray(True)
+    stacked = _and_over_axes(jnp.stack(flags), axis_name)
+    return stacked, stacked.all()

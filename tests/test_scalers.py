@@ -54,7 +54,7 @@ def custom_dynamic() -> ls.DynamicLossScale:
     s = ls.update(s, False)         # 3rd in a row: backoff 256 -> 64, growth_tracker 0
     # Put a non-zero value in every leaf at once (unflattening never validates).
     return jax.tree.unflatten(
-        jax.tree.structure(s), [jnp.float32(64.0), jnp.int32(5), jnp.int32(2)])
+        jax.tree.structure(s), [jnp.float32(64.0), jnp.int32(5), jnp.int32(2), jnp.int32(0)])
 
 
 def all_kinds() -> list:
@@ -345,7 +345,7 @@ def test_jit_keeps_configuration_through_update():
 def test_flatten_with_path_names_the_leaves():
     paths = [jax.tree_util.keystr(p)
              for p, _ in jax.tree_util.tree_flatten_with_path(custom_dynamic())[0]]
-    assert paths == [".loss_scale", ".growth_tracker", ".nonfinite_tracker"]
+    assert paths == [".loss_scale", ".growth_tracker", ".nonfinite_tracker", ".failure"]
     paths = [jax.tree_util.keystr(p)
              for p, _ in jax.tree_util.tree_flatten_with_path(ls.StaticLossScale(2.0))[0]]
     assert paths == [".loss_scale"]
@@ -589,14 +589,22 @@ def test_eager_fail_closed_waits_for_hysteresis():
         ls.update(s, False)
 
 
-def test_jit_backoff_below_tiny_fails_at_run_time_naming_the_loss_scale():
+def test_jit_backoff_below_tiny_is_recorded_sticky_and_checked_on_the_host():
     s = ls.DynamicLossScale(init_scale=2.0**-126, backoff_factor=0.5)
     step = jax.jit(ls.update)
-    with pytest.raises(jax.errors.JaxRuntimeError, match="loss scale"):
-        jax.block_until_ready(step(s, jnp.asarray(False)))
-    # The same compiled step still runs healthy steps afterwards.
+    failed = jax.block_until_ready(step(s, jnp.asarray(False)))   # no raise inside jit
+    assert int(failed.failure) == ls.Failure.BACKOFF_UNDERFLOW
+    assert float(failed.loss_scale) == TINY                         # the last valid scale
+    for finite in (True, False, True):                               # sticky: frozen
+        again = step(failed, jnp.asarray(finite))
+        chex.assert_trees_all_equal(again, failed)
+    with pytest.raises(ls.LossScaleError, match=r"loss scale 1\.17549435\d*e-38 times "
+                       r"backoff_factor 0\.5 gives 5\.87747\d*e-39"):
+        ls.check(failed)
+    # The same compiled step still runs healthy states afterwards.
     out = jax.block_until_ready(step(s, jnp.asarray(True)))
-    assert float(out.loss_scale) == TINY
+    assert float(out.loss_scale) == TINY and int(out.failure) == 0
+    assert ls.check(out) is None
 
 
 def test_jit_fail_closed_inside_a_user_train_step():
@@ -606,8 +614,60 @@ def test_jit_fail_closed_inside_a_user_train_step():
         return ls.update(s, finite)
 
     s = ls.DynamicLossScale(init_scale=2.0**-126)
-    with pytest.raises(jax.errors.JaxRuntimeError, match="loss scale"):
-        jax.block_until_ready(train_step(s, jnp.array([jnp.nan], jnp.float16)))
+    failed = train_step(s, jnp.array([jnp.nan], jnp.float16))
+    with pytest.raises(ls.LossScaleError, match="loss scale backoff failed"):
+        ls.check(failed)
+
+
+def test_eager_update_of_a_failed_state_raises_again():
+    failed = jax.jit(ls.update)(ls.DynamicLossScale(init_scale=TINY), False)
+    with pytest.raises(ls.LossScaleError, match="loss scale backoff failed"):
+        ls.update(failed, True)
+
+
+@pytest.mark.parametrize("bad", [-32768.0, 0.0, float("nan"), float("inf"), 1e-40])
+@MAYBE_JIT
+def test_an_unvalidated_invalid_scale_fails_closed(maybe_jit, bad):
+    """A scale that never passed validation (tree_unflatten, pickle, an unchecked restore)."""
+    s = ls.DynamicLossScale()
+    bad_state = jax.tree.unflatten(jax.tree.structure(s), [jnp.float32(bad), jnp.int32(0),
+                                                           jnp.int32(0), jnp.int32(0)])
+    if maybe_jit is jax.jit:
+        out = jax.jit(ls.update)(bad_state, jnp.asarray(True))
+        assert int(out.failure) == ls.Failure.INVALID_SCALE
+        with pytest.raises(ls.LossScaleError, match="not a finite, positive, normal float32"):
+            ls.check(out)
+    else:
+        with pytest.raises(ls.LossScaleError, match="not a finite, positive, normal float32"):
+            ls.update(bad_state, True)
+    static = jax.tree.unflatten(jax.tree.structure(ls.StaticLossScale(2.0)), [jnp.float32(bad)])
+    with pytest.raises(ls.LossScaleError, match=re.escape(repr(float(np.float32(bad))))
+                       if np.isfinite(bad) and bad != 0 else "float32"):
+        ls.check(static)
+
+
+def test_on_failure_raise_raises_from_the_compiled_step():
+    """The opt-in immediate raise, and what the user sees (documented in the guide)."""
+    s = ls.DynamicLossScale(init_scale=2.0**-126, backoff_factor=0.5)
+    step = jax.jit(lambda s, f: ls.update(s, f, on_failure="raise"))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="loss scale backoff failed") as info:
+        jax.block_until_ready(step(s, jnp.asarray(False)))
+    assert "LossScaleError" in str(info.value)
+    out = jax.block_until_ready(step(s, jnp.asarray(True)))
+    assert float(out.loss_scale) == TINY
+
+
+def test_runtime_check_is_deprecated_and_maps_onto_on_failure():
+    s = ls.DynamicLossScale(init_scale=TINY)
+    with pytest.warns(DeprecationWarning, match="on_failure='raise'"):
+        step = jax.jit(lambda s, f: ls.update(s, f, runtime_check=True))
+        with pytest.raises(jax.errors.JaxRuntimeError, match="loss scale"):
+            jax.block_until_ready(step(s, jnp.asarray(False)))
+    with pytest.warns(DeprecationWarning, match="runtime_check"):
+        out = jax.jit(lambda s, f: ls.update(s, f, runtime_check=False))(s, jnp.asarray(False))
+    assert int(out.failure) == ls.Failure.BACKOFF_UNDERFLOW
+    with pytest.raises(ValueError, match="on_failure must be 'record'.*got 'loud'"):
+        ls.update(s, True, on_failure="loud")
 
 
 @MAYBE_JIT
@@ -649,26 +709,30 @@ def _callback_paths(jaxpr, outer=()):
                     yield from _callback_paths(inner, (*outer, eqn.primitive.name))
 
 
-def test_jitted_update_calls_back_only_inside_a_cond():
+def test_the_default_jitted_update_compiles_no_callback():
     s = ls.DynamicLossScale(init_scale=2.0**-120)
-    jaxpr = jax.make_jaxpr(ls.update)(s, True).jaxpr
-    top = [eqn.primitive.name for eqn in jaxpr.eqns]
-    assert not any("callback" in name for name in top), top
-    paths = list(_callback_paths(jaxpr))
-    assert paths, "the fail-closed check must be in the compiled step"
-    assert all("cond" in path for path in paths), paths
-    # The same holds inside a larger user step.
-    jaxpr = jax.make_jaxpr(lambda st, g: ls.update(st, ls.all_finite(g)))(s, jnp.ones(3)).jaxpr
+    for fn in (ls.update, lambda st, g: ls.update(st, ls.all_finite(g))):
+        jaxpr = jax.make_jaxpr(fn)(s, True if fn is ls.update else jnp.ones(3)).jaxpr
+        assert not list(_callback_paths(jaxpr)), "the default step must hold no host callback"
+        text = jax.jit(fn).lower(s, True if fn is ls.update else jnp.ones(3)).as_text()
+        assert "callback" not in text.lower()
+
+
+def test_the_opt_in_raise_calls_back_only_inside_a_cond():
+    s = ls.DynamicLossScale(init_scale=2.0**-120)
+    update = lambda st, f: ls.update(st, f, on_failure="raise")  # noqa: E731
+    jaxpr = jax.make_jaxpr(update)(s, True).jaxpr
     assert not any("callback" in eqn.primitive.name for eqn in jaxpr.eqns)
-    assert all("cond" in path for path in _callback_paths(jaxpr))
+    paths = list(_callback_paths(jaxpr))
+    assert paths and all("cond" in path for path in paths), paths
 
 
-def test_jitted_check_survives_when_the_result_is_unused():
-    """The check is an effect: XLA must not drop it even if the new scale is discarded."""
+def test_the_opt_in_raise_survives_when_the_result_is_unused():
+    """The raise is an effect: XLA must not drop it even if the new scale is discarded."""
 
     @jax.jit
     def step(s, finite):
-        new = ls.update(s, finite)
+        new = ls.update(s, finite, on_failure="raise")
         return new.growth_tracker
 
     with pytest.raises(jax.errors.JaxRuntimeError, match="loss scale"):

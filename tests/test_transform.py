@@ -217,41 +217,112 @@ def test_fifty_non_finite_steps_never_touch_params(skip, path):
     assert wrapper_counters(opt_state) == (1.0, 1, 50, 0, True)
 
 
-@EAGER_OR_DONATING_JIT
 @PATHS
-def test_without_min_scale_a_non_finite_run_fails_closed(maybe_jit, path):
+def test_without_min_scale_an_eager_run_fails_closed_at_once(path):
     # 2**-120 reaches the smallest normal float32 (2**-126) after 6 backoffs; the 7th fails.
     tx = ls.with_loss_scaling(optax.sgd(1.0), ls.DynamicLossScale(init_scale=2.0**-120))
     params = jnp.array([1.0, 2.0])
     opt_state = tx.init(params)
-    step = maybe_jit(STEPS[path](tx))
+    step = STEPS[path](tx)
     params_bits = bits(params)
     steps_done = 0
-    with pytest.raises((ls.LossScaleError, jax.errors.JaxRuntimeError), match="loss scale"):
+    with pytest.raises(ls.LossScaleError, match="loss scale backoff failed"):
         for _ in range(50):
             params, opt_state = step(jnp.array([NAN, 1.0]), opt_state, params)
-            jax.block_until_ready(params)
             assert_bit_identical(params_bits, params)   # never an update before failing
             steps_done += 1
     assert steps_done == 6
 
 
 @PATHS
-def test_runtime_check_off_fails_closed_silently_with_a_nan_scale(path):
-    # No host callback: the failed backoff leaves a NaN scale, and every later step (finite
-    # gradients included) reads as non-finite and is skipped. Still never an update.
-    tx = ls.with_loss_scaling(optax.sgd(1.0), ls.DynamicLossScale(init_scale=2.0**-120),
-                              runtime_check=False)
-    params = jnp.array([1.0, 2.0])
+@pytest.mark.parametrize("skip", ["auto", "cond", "select"])
+def test_a_donated_jit_run_fails_closed_as_state_and_loses_nothing(path, skip):
+    """The failure is recorded (no callback, no raise inside the donated step): params
+    and inner state stay readable, bit-identical to before the failing step, every later
+    step is skipped (finite ones too), the scale stays at its last valid value, the
+    counters count, ls.check raises the full message, and the state checkpoints."""
+    tx = ls.with_loss_scaling(optax.adam(0.1), ls.DynamicLossScale(init_scale=2.0**-120),
+                              skip=skip)
+    params = {"w": jnp.array([1.0, 2.0]), "b": jnp.array([-0.0, 3.0])}
     opt_state = tx.init(params)
     step = jax.jit(STEPS[path](tx), donate_argnums=(1, 2))
-    params_bits = bits(params)
+    good = {"w": jnp.array([1.0, 1.0]), "b": jnp.array([1.0, 1.0])}
+    params, opt_state = step(good, opt_state, params)            # one applied step
+    params_bits, inner_bits = bits(params), bits(opt_state.inner_state)
+    bad = {"w": jnp.array([NAN, 1.0]), "b": jnp.array([1.0, 1.0])}
     for i in range(12):
-        grads = jnp.array([NAN, 1.0]) if i < 8 else jnp.array([1.0, 1.0])
+        grads = bad if i < 8 else good
         params, opt_state = step(grads, opt_state, params)
         assert_bit_identical(params_bits, params)
-    assert np.isnan(float(opt_state.scaler.loss_scale))
+        assert_bit_identical(inner_bits, opt_state.inner_state)
+        assert float(opt_state.scaler.loss_scale) == max(2.0**(-121 - i), 2.0**-126)
+        assert bool(ls.metrics(opt_state)["failed"]) == (i >= 6)
+    assert int(opt_state.failure) == ls.Failure.BACKOFF_UNDERFLOW
     assert wrapper_counters(opt_state)[2:] == (12, 12, False)
+    with pytest.raises(ls.LossScaleError, match=r"loss scale 1\.17549\d*e-38 times "
+                       r"backoff_factor 0\.5 gives 5\.8774\d*e-39, below the smallest normal"):
+        ls.check(opt_state)
+    # Readable and checkpointable: the arrays were never deleted.
+    host_params, host_state = jax.device_get((params, opt_state))
+    assert_bit_identical(params_bits, host_params)
+    d = ls.state_dict(host_state.scaler)
+    assert d["values"]["failure"] == ls.Failure.BACKOFF_UNDERFLOW
+    assert int(ls.from_state_dict(d).failure) == ls.Failure.BACKOFF_UNDERFLOW
+
+
+@PATHS
+def test_max_consecutive_skips_fails_closed_as_state_naming_the_leaves(path):
+    tx = ls.with_loss_scaling(optax.sgd(1.0), ls.DynamicLossScale(min_scale=1.0),
+                              max_consecutive_skips=3)
+    params = {"enc": jnp.ones(2), "dec": jnp.ones(2)}
+    opt_state = tx.init(params)
+    step = jax.jit(STEPS[path](tx), donate_argnums=(1, 2))
+    bad = {"enc": jnp.ones(2), "dec": jnp.array([INF, 1.0])}
+    for _ in range(5):
+        params, opt_state = step(bad, opt_state, params)
+    params, opt_state = step({"enc": jnp.ones(2), "dec": jnp.ones(2)}, opt_state, params)
+    chex.assert_trees_all_equal(params, {"enc": jnp.ones(2), "dec": jnp.ones(2)})
+    assert int(opt_state.failure) == ls.Failure.TOO_MANY_SKIPS
+    assert float(opt_state.scaler.loss_scale) == 2.0**12      # frozen at the failing step
+    with pytest.raises(ls.LossScaleError, match=r"^3 consecutive optimizer steps skipped.*"
+                       r"non-finite on the last skipped step: dec\."):
+        ls.check(opt_state, params)
+    with pytest.raises(ls.LossScaleError, match=r"last skipped step: leaf #0\."):
+        ls.check(opt_state)        # jax.tree.leaves order: "dec" sorts first
+
+
+@PATHS
+@pytest.mark.parametrize("bad_scale", [-32768.0, 0.0, NAN, INF])
+def test_an_unvalidated_bad_scale_never_produces_an_update(path, bad_scale):
+    """A state that reached the step without validation (pickle, tree_unflatten, Orbax
+    without restore_loss_scale): with scale -32768 an [inf, 1, 1] gradient used to pass."""
+    for scaler in (ls.DynamicLossScale(), ls.StaticLossScale(2.0)):
+        tx = ls.with_loss_scaling(optax.sgd(1.0), scaler)
+        params = jnp.ones(3)
+        opt_state = tx.init(params)
+        leaves, treedef = jax.tree.flatten(opt_state)
+        leaves[0] = jnp.float32(bad_scale)                    # the scaler's loss_scale
+        opt_state = jax.tree.unflatten(treedef, leaves)
+        step = jax.jit(STEPS[path](tx))
+        for grads in (jnp.array([INF, 1.0, 1.0]), jnp.ones(3)):
+            new_params, opt_state = step(grads, opt_state, params)
+            assert_bit_identical(bits(params), new_params)
+        assert int(opt_state.failure) == ls.Failure.INVALID_SCALE
+        with pytest.raises(ls.LossScaleError, match="not a finite, positive, normal float32"):
+            ls.check(opt_state)
+
+
+@PATHS
+def test_on_failure_raise_is_the_opt_in_callback(path):
+    tx = ls.with_loss_scaling(optax.sgd(1.0), ls.DynamicLossScale(init_scale=2.0**-126),
+                              on_failure="raise")
+    params = jnp.ones(2)
+    opt_state = tx.init(params)
+    step = jax.jit(STEPS[path](tx))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="loss scale backoff failed"):
+        jax.block_until_ready(step(jnp.array([NAN, 1.0]), opt_state, params))
+    with pytest.warns(DeprecationWarning, match="runtime_check"):
+        ls.with_loss_scaling(optax.sgd(1.0), runtime_check=False)
 
 
 def test_optax_apply_if_finite_applies_a_non_finite_update_we_never_do():
@@ -502,13 +573,16 @@ def test_metrics_are_arrays_with_documented_keys(maybe_jit, scaler, tracker):
     _, opt_state = tx.update(jnp.ones(2), opt_state, params)
     m = maybe_jit(ls.metrics)(opt_state)
     assert set(m) == {"loss_scale", "growth_tracker", "skipped_steps", "consecutive_skips",
-                      "last_step_finite", "nonfinite_loss_steps", "nonfinite_grad_leaves"}
+                      "last_step_finite", "nonfinite_loss_steps", "nonfinite_grad_leaves",
+                      "failed", "failure"}
     for value in m.values():
         assert isinstance(value, jax.Array) and value.shape == ()
     assert {k: v.dtype for k, v in m.items()} == {
         "loss_scale": jnp.float32, "growth_tracker": jnp.int32, "skipped_steps": jnp.int32,
         "consecutive_skips": jnp.int32, "last_step_finite": jnp.bool_,
-        "nonfinite_loss_steps": jnp.int32, "nonfinite_grad_leaves": jnp.int32}
+        "nonfinite_loss_steps": jnp.int32, "nonfinite_grad_leaves": jnp.int32,
+        "failed": jnp.bool_, "failure": jnp.int32}
+    assert not bool(m["failed"]) and int(m["failure"]) == 0
     # The one leaf was non-finite on the last skipped step; the flags outlive clean steps.
     assert int(m["nonfinite_grad_leaves"]) == 1 and int(m["nonfinite_loss_steps"]) == 0
     want_scale = 8.0 if isinstance(scaler, ls.DynamicLossScale) else float(scaler.loss_scale)
@@ -522,7 +596,8 @@ def test_metrics_is_pure_reads_with_no_host_callback():
     # Reads of existing leaves plus one count over the per-leaf flags: no callback,
     # no transfer.
     assert not [e for e in jaxpr.eqns if "callback" in e.primitive.name]
-    assert {e.primitive.name for e in jaxpr.eqns} <= {"reduce_sum", "convert_element_type"}
+    assert {e.primitive.name for e in jaxpr.eqns} <= {"reduce_sum", "convert_element_type",
+                                                      "ne"}
 
 
 # ------------------------------------------------------------------ counters saturate
@@ -619,7 +694,7 @@ def test_default_scaler_and_auto_skip():
     assert isinstance(opt_state.scaler, ls.DynamicLossScale)
     assert float(opt_state.scaler.loss_scale) == 2.0**15
     assert isinstance(tx, optax.GradientTransformationExtraArgs)
-    assert tx.core.skip in ("cond", "select")
+    assert tx.core.skip == "auto" and tx.core.on_failure == "record"
 
 
 def test_apply_gradients_falls_back_for_other_transformations():

@@ -9,7 +9,9 @@ The model restates the rule from the ``DynamicLossScale`` docstring and the seed
   tracker still resets;
 * non-finite step: ``growth_tracker = 0``, ``nonfinite_tracker = min(+1, hysteresis)``;
   when it reaches ``hysteresis``, ``scale *= backoff_factor`` (floored at ``min_scale``);
-  without ``min_scale``, a result below the smallest normal float32 fails closed.
+  without ``min_scale``, a result below the smallest normal float32 fails closed: eagerly
+  ``update`` raises; under ``jit`` the state records the failure, keeps its last valid
+  values, and never changes again (the model checks the frozen state on every later step).
 """
 
 from __future__ import annotations
@@ -160,10 +162,15 @@ def run_against_model(config: dict, steps: list[bool]) -> None:
             previous, m = m, model_step(config, m, finite)
         except FailClosed:
             event("fail closed")
-            with pytest.raises(ls.LossScaleError, match="loss scale"):
+            with pytest.raises(ls.LossScaleError, match="loss scale backoff failed"):
                 ls.update(eager, finite)
-            with pytest.raises(jax.errors.JaxRuntimeError, match="loss scale"):
-                jax.block_until_ready(step(jitted, jnp.asarray(finite)))
+            # Under jit: recorded, sticky, the last valid values kept on every later step.
+            for later in [finite, *steps[i + 1:]]:
+                jitted = step(jitted, jnp.asarray(later))
+                assert int(jitted.failure) == ls.Failure.BACKOFF_UNDERFLOW, where
+                assert_matches(jitted, m, "jit, after the failure, " + where)
+            with pytest.raises(ls.LossScaleError, match="loss scale backoff failed"):
+                ls.check(jitted)
             return
         if finite and m.growth_tracker == 0 and m.scale == previous.scale:
             event("growth skipped or capped")
@@ -173,6 +180,7 @@ def run_against_model(config: dict, steps: list[bool]) -> None:
         jitted = step(jitted, jnp.asarray(finite))
         assert_matches(eager, m, "eager " + where)
         assert_matches(jitted, m, "jit " + where)
+        assert int(jitted.failure) == 0 and ls.check(jitted) is None, where
 
 
 @settings(max_examples=60, deadline=None)
