@@ -41,6 +41,10 @@ def _unwrap_variables(x: Any) -> Any:
 # scaler has none, so nnx.state drops those keys).
 _ALWAYS_PRESENT = frozenset(LossScalingState._fields) - {"scaler", "inner_state"}
 CONFIG_METADATA = "loss_scale_config"  # Variable metadata set by loss_scaling.nnx.Optimizer
+_NO_CONFIG = (
+    "This nnx.State holds the loss scale's values but not its configuration: a plain flax "
+    "nnx.Optimizer does not keep it in its state (build the optimizer with "
+    "`loss_scaling.nnx.Optimizer`, which does).")
 
 
 def _from_nnx_state(node: Any) -> Any:
@@ -129,11 +133,7 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
     """
     scaler = _get_wrapper_state(opt_state, path).scaler
     if isinstance(scaler, DynamicLossScale) and scaler.config is None:
-        raise ValueError(
-            "This nnx.State holds the loss scale's values but not its configuration: a "
-            "plain flax nnx.Optimizer does not keep it in its state. Build the optimizer "
-            "with `loss_scaling.nnx.Optimizer` (it stores the configuration with the "
-            "state), or pass the optimizer itself.")
+        raise ValueError(f"{_NO_CONFIG} Pass the optimizer itself instead.")
     return scaler
 
 
@@ -313,5 +313,13 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
     failure = _host(wrapper.failure)
     if np.any(failure != _errors.Failure.NONE):
         names = None if params is None else leaf_names(params)
-        raise _errors.LossScaleError(
-            failure_message(_first_failing(wrapper, failure), names))
+        failed = _first_failing(wrapper, failure)
+        scaler = failed.scaler
+        if isinstance(scaler, DynamicLossScale) and scaler.config is None:
+            # A plain nnx.Optimizer's nnx.State: no config for the full message.
+            code = _errors.Failure(int(np.asarray(failed.failure)))
+            raise _errors.LossScaleError(
+                f"the run has failed ({code.name}, loss scale "
+                f"{float(np.asarray(scaler.loss_scale))!r}). {_NO_CONFIG} For the full "
+                "message, call check on the optimizer.")
+        raise _errors.LossScaleError(failure_message(failed, names))

@@ -525,3 +525,23 @@ def test_import_loss_scaling_imports_neither_nnx_nor_equinox():
             "assert 'flax.nnx' not in sys.modules and 'equinox' not in sys.modules; "
             "ls.nnx.Optimizer; assert 'flax.nnx' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_check_reads_a_failure_from_the_optimizer_its_state_and_split(fused):
+    model = make_model()
+    tx = ls.with_loss_scaling(optax.adam(LR), ls.DynamicLossScale(init_scale=2.0**-126))
+    optimizer = make_optimizer(model, fused, tx=tx)
+    for source in holders(optimizer).values():
+        assert ls.check(source) is None
+    step = nnx.jit(lambda optimizer, model, x, y, poison: optimizer.update(
+        model, ls.value_and_grad(loss_fn)(optimizer, model, x, y, poison)[1]))
+    x, y = data(0)
+    params = bits(nnx.state(model, nnx.Param))
+    step(optimizer, model, x, y, jnp.ones((), F32))   # overflow: the backoff underflows
+    step(optimizer, model, x, y, jnp.zeros((), F32))  # sticky: this clean step is skipped
+    assert_bit_identical(params, nnx.state(model, nnx.Param))
+    for source in holders(optimizer).values():
+        assert bool(ls.metrics(source)["failed"])
+        with pytest.raises(ls.LossScaleError, match="(?i)backoff"):
+            ls.check(source)
