@@ -9,7 +9,9 @@ with the state donated. Rows:
 * ``bare nnx.Optimizer(adam)``: the baseline, no loss scaling;
 * ``ls.nnx.Optimizer`` with ``ls.with_loss_scaling(optax.adam(1e-3))`` at DEFAULT
   settings (the fused step), on finite and on overflowing gradients;
-* the same wrapper in a plain ``nnx.Optimizer`` (the plain path), for comparison.
+* the same wrapper in a plain ``nnx.Optimizer`` (the plain path), for comparison;
+* the same two steps without nnx (``optax.adam`` and ``ls.apply_gradients`` on the params
+  dict, as in ``benchmarks/overhead.py``): what the nnx layer itself costs.
 
 Variants run interleaved, round after round; each is timed with one step per
 ``block_until_ready`` and pipelined (``--steps`` steps, then one block). Ratios are medians
@@ -80,6 +82,31 @@ def make_variant(params: dict[str, np.ndarray], optimizer_cls: type, tx: Any,
     return fn, state, grads, temp
 
 
+def make_optax_variant(params: dict[str, np.ndarray], fused: bool) -> tuple[Callable, Any, Any,
+                                                                             int]:
+    """The same step on the params dict, without nnx (as in benchmarks/overhead.py)."""
+    p = {k: jnp.asarray(v) for k, v in params.items()}
+    if fused:
+        tx: Any = ls.with_loss_scaling(optax.adam(1e-3))
+        grads = jax.tree.map(lambda x: x * (1e-3 * SCALE), p)
+
+        def step(carry: Any, grads: Any) -> Any:
+            return ls.apply_gradients(tx, grads, carry[1], carry[0])
+    else:
+        tx = optax.adam(1e-3)
+        grads = jax.tree.map(lambda x: x * 1e-3, p)
+
+        def step(carry: Any, grads: Any) -> Any:
+            updates, opt_state = tx.update(grads, carry[1], carry[0])
+            return optax.apply_updates(carry[0], updates), opt_state
+
+    carry = (p, tx.init(p))
+    fn = jax.jit(step, donate_argnums=0).lower(carry, grads).compile()
+    temp = fn.memory_analysis().temp_size_in_bytes
+    carry = jax.block_until_ready(fn(carry, grads))
+    return fn, carry, grads, temp
+
+
 def _time(fn: Any, state: Any, grads: Any, steps: int, sync_each: bool) -> tuple[float, Any]:
     start = time.perf_counter()
     for _ in range(steps):
@@ -116,12 +143,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, (cls, tx, scale, poison) in specs.items():
         compiled[name], states[name], grads[name], temp[name] = make_variant(
             params, cls, tx, scale, poison)
+    for name, fused in (("without nnx: optax.adam", False),
+                        ("without nnx: ls.apply_gradients, default, finite", True)):
+        compiled[name], states[name], grads[name], temp[name] = make_optax_variant(params, fused)
+    names = list(compiled)
 
     modes = {"sync": True, "pipelined": False}
-    times: dict[str, dict[str, list[float]]] = {m: {n: [] for n in specs} for m in modes}
+    times: dict[str, dict[str, list[float]]] = {m: {n: [] for n in names} for m in modes}
     for _ in range(args.rounds):
         for mode, sync_each in modes.items():
-            for name in specs:
+            for name in names:
                 elapsed, states[name] = _time(compiled[name], states[name], grads[name],
                                               args.steps, sync_each)
                 times[mode][name].append(elapsed)
@@ -135,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"step), {base['pipelined'] * 1e3:.3f} ms (pipelined)")
     print("| variant | block every step | pipelined | XLA temp bytes |\n|---|---:|---:|---:|")
     results = {}
-    for name in specs:
+    for name in names:
         ratios = {m: statistics.median(times[m][name]) / base[m] for m in modes}
         results[name] = {"ratio_sync": ratios["sync"], "ratio_pipelined": ratios["pipelined"],
                          "temp_bytes": int(temp[name])}
