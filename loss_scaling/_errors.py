@@ -84,9 +84,8 @@ def _float(x: Any) -> float:
 
 
 def backoff_underflow_message(old: Any, factor: float) -> str:
-    with np.errstate(under="ignore"):
-        new = np.float32(old) * np.float32(factor)  # numpy keeps the subnormal, for the record
-    return BACKOFF_UNDERFLOW.format(old=_float(old), factor=factor, new=float(new),
+    # In Python floats: a host callback runs on a thread that flushes float32 subnormals.
+    return BACKOFF_UNDERFLOW.format(old=_float(old), factor=factor, new=_float(old) * factor,
                                     tiny=float(_F32.tiny))
 
 

@@ -295,7 +295,7 @@ def with_loss_scaling(
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScalingState]:
         check = _check(core, updates, state, extra_args)
-        inverse = tree.reciprocal(state.scaler.loss_scale)
+        inverse = check.inverse
 
         def step(operands: Any) -> Any:
             grads, inner_state, params = operands
@@ -321,12 +321,20 @@ def with_loss_scaling(
     return tx
 
 
-def _unscale(grads: Any, inverse: tree.Reciprocal) -> Any:
+def _reciprocal(scaler: LossScale) -> tree.Reciprocal | None:
+    """The scaler's reciprocal; ``None`` for ``NoOpLossScale``, which compiles to nothing."""
+    return None if isinstance(scaler, NoOpLossScale) else tree.reciprocal(scaler.loss_scale)
+
+
+def _unscale(grads: Any, inverse: tree.Reciprocal | None) -> Any:
+    if inverse is None:
+        return grads
     return jax.tree.map(lambda g: tree.unscale_leaf(g, inverse) if tree.is_floating(g) else g,
                         grads)
 
 
-def _unscale_extra_args(extra_args: dict[str, Any], inverse: tree.Reciprocal) -> dict[str, Any]:
+def _unscale_extra_args(extra_args: dict[str, Any],
+                        inverse: tree.Reciprocal | None) -> dict[str, Any]:
     return {name: _unscale(value, inverse) if name in GRADIENT_EXTRA_ARGS else value
             for name, value in extra_args.items()}
 
@@ -338,6 +346,7 @@ class _Check(NamedTuple):
     loss_finite: jax.Array
     leaf_finite: jax.Array  # one flag per gradient leaf
     names_from: Any  # the gradients' structure, to name their leaves in messages
+    inverse: tree.Reciprocal | None  # the scale's reciprocal, computed once per step
 
 
 def _check(core: _Core, grads: Any, state: LossScalingState, extra_args: dict) -> _Check:
@@ -348,11 +357,11 @@ def _check(core: _Core, grads: Any, state: LossScalingState, extra_args: dict) -
             f"for {state.nonfinite_grads.shape[-1]} (with_loss_scaling sizes its per-leaf "
             "diagnostics from the params given to `init`): pass gradients with the structure "
             "of the params the state was initialised with.")
-    factor = state.scaler.loss_scale
-    leaf_finite, grads_finite = tree.unscaled_finite_leaves(grads, factor, core.axis_name)
+    inverse = _reciprocal(state.scaler)
+    leaf_finite, grads_finite = tree.unscaled_finite_leaves(grads, inverse, core.axis_name)
     for name in GRADIENT_EXTRA_ARGS:
         if extra_args.get(name) is not None:
-            grads_finite &= tree.unscaled_finite_leaves(extra_args[name], factor,
+            grads_finite &= tree.unscaled_finite_leaves(extra_args[name], inverse,
                                                         core.axis_name)[1]
     loss = extra_args.get("loss")
     loss_finite = jnp.asarray(True)
@@ -360,9 +369,11 @@ def _check(core: _Core, grads: Any, state: LossScalingState, extra_args: dict) -
         loss_finite = jnp.isfinite(jnp.asarray(loss)).all()
         if core.axis_name is not None:
             loss_finite = lax.pmin(loss_finite.astype(jnp.int32), core.axis_name) == 1
-    healthy = (state.failure == Failure.NONE) & scalers.is_positive_normal(factor)
+    healthy = state.failure == Failure.NONE
+    if inverse is not None:
+        healthy &= scalers.is_positive_normal(state.scaler.loss_scale)
     return _Check(healthy & grads_finite & loss_finite, healthy, grads_finite, loss_finite,
-                  leaf_finite, jax.tree.map(lambda _: 0, grads))
+                  leaf_finite, jax.tree.map(lambda _: 0, grads), inverse)
 
 
 def _next_state(core: _Core, state: LossScalingState, inner_state: Any,
@@ -379,8 +390,10 @@ def _next_state(core: _Core, state: LossScalingState, inner_state: Any,
 
     # The first failure wins and is kept; the scaler is frozen from then on.
     scaler_failure = getattr(stepped_scaler, "failure", jnp.int32(Failure.NONE))
-    failure = jnp.where(~scalers.is_positive_normal(state.scaler.loss_scale),
-                        Failure.INVALID_SCALE, scaler_failure)
+    failure = scaler_failure
+    if not isinstance(state.scaler, NoOpLossScale):
+        failure = jnp.where(~scalers.is_positive_normal(state.scaler.loss_scale),
+                            Failure.INVALID_SCALE, failure)
     if core.max_consecutive_skips is not None:
         failure = jnp.where(
             (failure == Failure.NONE) & (consecutive_skips >= core.max_consecutive_skips),
@@ -493,7 +506,7 @@ def apply_gradients(
         return optax.apply_updates(params, updates), opt_state
 
     check = _check(core, grads, opt_state, extra_args)
-    inverse = tree.reciprocal(opt_state.scaler.loss_scale)
+    inverse = check.inverse
 
     def step(operands: Any) -> Any:
         grads, inner_state, params = operands

@@ -281,9 +281,10 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
 
 
 def unscaled_finite_leaves(
-    tree: Any, factor: jax.Array, axis_name: AxisName = None
+    tree: Any, inverse: Reciprocal | None, axis_name: AxisName = None
 ) -> tuple[jax.Array, jax.Array]:
-    """Per floating leaf, whether :func:`unscale` of it by ``factor`` is all finite.
+    """Per floating leaf, whether :func:`unscale` of it (by the ``inverse`` of the scale,
+    from :func:`reciprocal`) is all finite.
 
     The test is the definition itself, ``all(isfinite(unscale_leaf(x)))``, read from the
     raw (scaled) values in one fused reduction per leaf: the unscaled tree is never
@@ -291,13 +292,18 @@ def unscaled_finite_leaves(
     reduction is over booleans, so neither a cross-device reduction under sharded ``jit``
     nor the ``axis_name`` collective (a ``pmin`` of one int32 per leaf) can drop a NaN.
 
+    ``inverse=None`` (no scaling) tests the leaves as they are.
+
     Returns:
       ``(flags, finite)``: a bool vector with one entry per leaf of ``tree``, in
       ``jax.tree.leaves`` order (``True`` for integer and bool leaves), and their AND.
     """
-    inverse = reciprocal(factor)
-    flags = [jnp.isfinite(unscale_leaf(x, inverse)).all() if is_floating(x)
-             else jnp.asarray(True) for x in jax.tree.leaves(tree)]
+    def leaf_finite(x: Any) -> jax.Array:
+        if not is_floating(x):
+            return jnp.asarray(True)
+        return jnp.isfinite(x if inverse is None else unscale_leaf(x, inverse)).all()
+
+    flags = [leaf_finite(x) for x in jax.tree.leaves(tree)]
     if not flags:
         return jnp.ones((0,), jnp.bool_), jnp.asarray(True)
     stacked = _and_over_axes(jnp.stack(flags), axis_name)

@@ -67,10 +67,11 @@ def dynamic_after_overflows() -> ls.DynamicLossScale:
 
 
 def dynamic_both_trackers() -> ls.DynamicLossScale:
-    """Every leaf non-default at once (unreachable by `update`, but a valid state)."""
+    """Both trackers non-default at once (unreachable by `update`, but a valid state). A
+    failed state's round trip is tested in test_transform.py."""
     s = dynamic_after_clean_steps()
     return jax.tree.unflatten(
-        jax.tree.structure(s), [s.loss_scale, jnp.int32(4), jnp.int32(3)])
+        jax.tree.structure(s), [s.loss_scale, jnp.int32(4), jnp.int32(3), jnp.int32(0)])
 
 
 STATES = {
@@ -213,7 +214,8 @@ def test_state_dict_refuses_a_replicated_state_and_says_how():
 def test_state_dict_refuses_a_poisoned_scale():
     s = dynamic_after_clean_steps()
     poisoned = jax.tree.unflatten(
-        jax.tree.structure(s), [jnp.float32(NAN), s.growth_tracker, s.nonfinite_tracker])
+        jax.tree.structure(s),
+        [jnp.float32(NAN), s.growth_tracker, s.nonfinite_tracker, s.failure])
     with pytest.raises(ValueError, match="loss_scale"):
         state_dict(poisoned)
 
@@ -646,7 +648,7 @@ def test_flax_state_dict_names_the_leaves():
     assert flax.serialization.to_state_dict(ls.NoOpLossScale()) == {}
     assert set(flax.serialization.to_state_dict(ls.StaticLossScale(2.0))) == {"loss_scale"}
     state = flax.serialization.to_state_dict({"scaler": s})["scaler"]
-    assert set(state) == {"loss_scale", "growth_tracker", "nonfinite_tracker"}
+    assert set(state) == {"loss_scale", "growth_tracker", "nonfinite_tracker", "failure"}
     assert state["growth_tracker"] is s.growth_tracker
 
 

@@ -457,6 +457,16 @@ def run(path: str, api: str, skip: str, *, scale: ls.LossScale | None = None,
         # Donated buffers are deleted; the dtypes of any that were not.
         out["kept"].append(sorted({str(a.dtype) for a in inputs if not a.is_deleted()}))
     out["traces"] = TRACES[0]
+    if out["error"] is None:  # (after an on_failure="raise" the donated state is gone)
+        try:  # the host-side report of a failure recorded in the state
+            ls.check(opt_state)
+            out["check"] = None
+        except ls.LossScaleError as error:
+            out["check"] = str(error)
+        # A failed state stays readable and checkpointable.
+        one = jax.tree.map(lambda a: host(a)[0] if stacked else host(a),
+                           ls.get_loss_scale(opt_state))
+        out["checkpoint"] = ls.state_dict(ls.from_state_dict(ls.state_dict(one)))
     out["cache_size"] = step._cache_size() if hasattr(step, "_cache_size") else None
     out["placement"] = {
         jax.tree_util.keystr(key): str(getattr(leaf.sharding, "spec", None))
@@ -606,18 +616,17 @@ FAIL_CLOSED_RUNS += [("shard_map", "plain", "select"), ("pmap", "plain", "select
 
 
 def fail_closed() -> dict:
-    """An always-overflowing run without min_scale stops with an error naming the scale."""
+    """An always-overflowing run without min_scale fails closed: recorded in the state, every
+    later step skipped, ls.check raising on the host; on_failure="raise" raises at once."""
     out = {}
     for path, api, skip in FAIL_CLOSED_RUNS:
         out[f"{path}/{api}/{skip}"] = isolated(
             run, path, api, skip, scale=scaler(init_scale=2.0**-124), always_overflow=True,
             steps=6)
     for path in ("jit_tp", "shard_map_tp", "pmap"):
-        # Without the run-time check the failed backoff poisons the scale (NaN) and every
-        # later step skips, identically on every device.
-        out[f"{path}/no_runtime_check"] = isolated(
+        out[f"{path}/on_failure_raise"] = isolated(
             run, path, "fused", "cond", scale=scaler(init_scale=2.0**-124),
-            always_overflow=True, steps=5, runtime_check=False)
+            always_overflow=True, steps=5, on_failure="raise")
     out["min_scale"] = isolated(run, "shard_map", "fused", "cond",
                                 scale=scaler(init_scale=2.0**-124, min_scale=2.0**-126),
                                 always_overflow=True, steps=6)
