@@ -320,12 +320,14 @@ def wrapper_run(fused, steps=STEPS, model=None, optimizer=None, start=0, lockste
         return isinstance(x, nnx.Variable)
 
     applied, losses, lockstep_equal = [], [], []
+    if lockstep:
+        twin = nnx.clone(model)
+        ref_opt = nnx.Optimizer(twin, optax.adam(LR), wrt=nnx.Param)
     for i in range(start, steps):
         x, y = data(i)
         poison = jnp.asarray(float(i in POISONED), F32)
         if lockstep:   # the reference's step from the same state
-            twin = nnx.clone(model)
-            ref_opt = nnx.Optimizer(twin, optax.adam(LR), wrt=nnx.Param)
+            nnx.update(twin, nnx.state(model))
             for dst, src in zip(jax.tree.leaves(ref_opt.opt_state, is_leaf=is_var),
                                 jax.tree.leaves(optimizer.opt_state.inner_state, is_leaf=is_var),
                                 strict=True):
@@ -424,10 +426,11 @@ def test_plain_and_fused_paths_agree_step_by_step(steps):
         optimizer.update(model, grads, loss=loss)
         return loss
 
+    twin = nnx.clone(model)
+    plain_opt = make_optimizer(twin, fused=False)
     for i in range(steps):
-        twin = nnx.clone(model)
-        plain_opt = make_optimizer(twin, fused=False)
-        nnx.update(plain_opt, nnx.state(fused_opt))        # the same state, plain path
+        nnx.update(twin, nnx.state(model))                 # the same state, plain path
+        nnx.update(plain_opt, nnx.state(fused_opt))
         x, y = data(i)
         poison = jnp.asarray(float(i in POISONED), F32)
         step(fused_opt, model, x, y, poison)
@@ -545,3 +548,15 @@ def test_check_reads_a_failure_from_the_optimizer_its_state_and_split(fused):
         assert bool(ls.metrics(source)["failed"])
         with pytest.raises(ls.LossScaleError, match="(?i)backoff"):
             ls.check(source)
+
+
+def test_ls_nnx_optimizer_without_loss_scaling_is_a_plain_nnx_optimizer():
+    ours, theirs = make_model(), make_model()
+    a = ls.nnx.Optimizer(ours, optax.sgd(0.1), wrt=nnx.Param)
+    b = nnx.Optimizer(theirs, optax.sgd(0.1), wrt=nnx.Param)
+    x, y = data(0)
+    for optimizer, model in ((a, ours), (b, theirs)):
+        grads = nnx.grad(loss_fn)(model, x, y, jnp.zeros(()))
+        optimizer.update(model, grads)
+    assert_bit_identical(bits(nnx.state(theirs)), nnx.state(ours))
+    assert int(a.step[...]) == int(b.step[...]) == 1
