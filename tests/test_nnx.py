@@ -187,6 +187,12 @@ def test_value_and_grad_uses_the_optimizers_wrt_filter():
     assert set(grads.keys()) == {"out"}
     optimizer.update(model, grads)
     assert_bit_identical(conv_before, nnx.state(model.conv))  # not in wrt: untouched
+    # ls.nnx.value_and_grad's wrt= overrides the default (nnx.Param for a bare scaler).
+    _, grads = ls.nnx.value_and_grad(loss_fn, wrt=only_out)(
+        ls.StaticLossScale(2.0), model, x, y, jnp.zeros(()))
+    assert set(grads.keys()) == {"out"}
+    _, grads = ls.value_and_grad(loss_fn)(ls.StaticLossScale(2.0), model, x, y, jnp.zeros(()))
+    assert set(grads.keys()) == {"conv", "bn", "out"}
     with pytest.raises(AssertionError):
         assert_bit_identical(out_before, nnx.state(model.out))
 
