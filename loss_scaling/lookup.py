@@ -44,9 +44,11 @@ def _unwrap_variables(x: Any) -> Any:
                         is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
-# The fields that every wrapper state has leaves for (an empty inner state or a NoOp
-# scaler has none, so nnx.state drops those keys).
-_ALWAYS_PRESENT = frozenset(LossScalingState._fields) - {"scaler", "inner_state"}
+# Fields that every wrapper state has leaves for, which identify its mapping in an
+# nnx.State (an empty inner state, a NoOp scaler or disabled underflow statistics have
+# none, so nnx.state drops those keys).
+_ALWAYS_PRESENT = frozenset({"skipped_steps", "consecutive_skips", "last_step_finite",
+                             "nonfinite_loss_steps", "nonfinite_grads"})
 CONFIG_METADATA = "loss_scale_config"  # Variable metadata set by loss_scaling.nnx.Optimizer
 _NO_CONFIG = (
     "This nnx.State holds the loss scale's values but not its configuration: a plain flax "
@@ -68,7 +70,10 @@ def _from_nnx_state(node: Any) -> Any:
     if _ALWAYS_PRESENT <= keys <= set(LossScalingState._fields):
         fields = {k: _from_nnx_state(v) for k, v in node.items()}
         fields["scaler"] = _scaler_from_mapping(node.get("scaler", {}))
-        fields.setdefault("inner_state", {})
+        if isinstance(fields.get("underflow"), Mapping):
+            fields["underflow"] = UnderflowStats(**fields["underflow"])
+        for name in LossScalingState._fields:
+            fields.setdefault(name, {} if name == "inner_state" else None)
         return LossScalingState(**fields)
     return {k: _from_nnx_state(v) for k, v in node.items()}
 

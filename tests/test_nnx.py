@@ -566,3 +566,17 @@ def test_ls_nnx_optimizer_without_loss_scaling_is_a_plain_nnx_optimizer():
         optimizer.update(model, grads)
     assert_bit_identical(bits(nnx.state(theirs)), nnx.state(ours))
     assert int(a.step[...]) == int(b.step[...]) == 1
+
+
+@pytest.mark.parametrize("underflow_diagnostics", [False, True])
+def test_metrics_through_nnx_state_equal_the_optimizers(underflow_diagnostics):
+    model = make_model()
+    tx = ls.with_loss_scaling(optax.adam(LR), scaler(),
+                              underflow_diagnostics=underflow_diagnostics)
+    optimizer = make_optimizer(model, fused=True, tx=tx)
+    wrapper_run(True, steps=6, model=model, optimizer=optimizer)
+    expected = ls.metrics(optimizer)
+    for source in holders(optimizer).values():
+        got = ls.metrics(source)
+        assert got.keys() == expected.keys()
+        assert_bit_identical(bits(expected), got)
