@@ -68,3 +68,13 @@ __all__ = [
     "value_and_grad",
     "with_loss_scaling",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``loss_scaling.nnx`` / ``loss_scaling.equinox``, imported on first use: ``import
+    loss_scaling`` never imports flax.nnx or Equinox."""
+    if name in ("nnx", "equinox"):
+        import importlib
+
+        return importlib.import_module(f"loss_scaling.{name}")
+    raise AttributeError(f"module 'loss_scaling' has no attribute {name!r}")

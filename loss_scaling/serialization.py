@@ -564,8 +564,9 @@ def restore_loss_scale(
 
     Args:
       state: an optax state holding one :func:`~loss_scaling.with_loss_scaling` state
-        (however nested), or a flax ``TrainState``; typically just restored from an
-        array checkpoint into the freshly built optimizer's abstract state.
+        (however nested), a flax ``TrainState``, an ``nnx.Optimizer`` or an ``nnx.State``
+        of one; typically just restored from an array checkpoint into the freshly built
+        optimizer's abstract state.
       saved: the saved loss scale: a dict from :func:`state_dict` (validated) or a
         loss-scale state.
       adopt_config: keep ``state``'s configuration instead of requiring the saved one.
@@ -580,8 +581,12 @@ def restore_loss_scale(
       ValueError: if the configurations differ (unless ``adopt_config``), if ``saved``
         is invalid or of another kind, or if ``state`` holds no loss scale (or several
         and ``path`` picks none).
-      TypeError: for a ``flax.nnx`` optimizer (its state is mutable: assign the result
-        of :func:`restore_with_config` to its variables instead).
+
+    A ``flax.nnx`` optimizer is mutable: its loss-scale variables are set in place and
+    the optimizer itself is returned. An ``nnx.State`` of one (``nnx.state(optimizer)``,
+    or the state from ``nnx.split``, e.g. as Orbax restored it) is not modified: a new
+    ``nnx.State`` is returned, to pass on to ``nnx.update(optimizer, state)``. Its
+    configuration comes from the metadata that ``loss_scaling.nnx.Optimizer`` keeps.
 
     Examples:
       >>> import json, jax.numpy as jnp, optax
@@ -608,11 +613,7 @@ def restore_loss_scale(
 
     if isinstance(state, nnx.Optimizer) or any(
             map(is_variable, jax.tree.leaves(state, is_leaf=is_variable))):
-        raise TypeError(
-            "restore_loss_scale takes an optax state or a flax TrainState, not a flax.nnx "
-            "optimizer or its variables: compute the scaler with "
-            "`restore_with_config(saved, ls.get_loss_scale(optimizer))` (after "
-            "`check_same_config`) and assign its leaves to the optimizer's variables.")
+        return _restore_nnx(state, saved, adopt_config=adopt_config, path=path)
     import loss_scaling  # for get_loss_scale, whichever module defines it
 
     target = loss_scaling.get_loss_scale(state, path)  # clear errors for none or several
@@ -653,6 +654,41 @@ def restore_loss_scale(
             "restore_loss_scale cannot replace a loss scale nested inside another "
             "with_loss_scaling's inner state.")
     return out
+
+
+def _restore_nnx(state: Any, saved: Any, *, adopt_config: bool, path: str | None) -> Any:
+    """:func:`restore_loss_scale` for an ``nnx.Optimizer`` (in place) or an ``nnx.State``."""
+    from flax import nnx
+
+    import loss_scaling
+
+    target = loss_scaling.get_loss_scale(state, path)  # clear errors for none or several
+    if adopt_config:
+        new = restore_with_config(saved, target)
+    else:
+        check_same_config(saved, target)
+        new = from_state_dict(saved if isinstance(saved, Mapping) else state_dict(saved))
+    # get_loss_scale returns the values the Variables hold: they identify the Variables.
+    holder = state.opt_state if isinstance(state, nnx.Optimizer) else state
+    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    variables = jax.tree.leaves(holder, is_leaf=is_variable)
+    replace = {}
+    for old_leaf, new_leaf in zip(jax.tree.leaves(target), jax.tree.leaves(new), strict=True):
+        owners = [v for v in variables if is_variable(v) and v.get_value() is old_leaf]
+        if len(owners) != 1:
+            raise ValueError(
+                f"restore_loss_scale found {len(owners)} nnx Variables holding one loss-scale "
+                "array; it replaces exactly one: give each loss scale its own arrays.")
+        sharding = getattr(old_leaf, "sharding", None)
+        replace[id(owners[0])] = (new_leaf if sharding is None
+                                  else jax.device_put(new_leaf, sharding))
+    if isinstance(state, nnx.Optimizer):
+        for v in variables:
+            if id(v) in replace:
+                v.set_value(replace[id(v)])
+        return state
+    return jax.tree.map(lambda v: v.replace(replace[id(v)]) if id(v) in replace else v,
+                        state, is_leaf=is_variable)
 
 
 # ------------------------------------------------------------------ flax.serialization
