@@ -37,7 +37,6 @@ myst_heading_anchors = 3
 autosummary_generate = False
 autodoc_typehints = "description"
 autodoc_member_order = "bysource"
-autodoc_default_options = {"members": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
