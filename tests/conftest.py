@@ -38,6 +38,18 @@ SLOW_TESTS = (
     "tests/test_integrations.py::test_ls_train_state_fused_matches_flax_train_state_plain_and_skips_exactly",
     "tests/test_docs.py::test_site_builds_with_warnings_as_errors",
     "tests/test_exactness.py::test_lbfgs_sees_the_unscaled_grad_extra_argument",
+    # Whole training runs of the framework integrations, step by step against references.
+    "tests/test_nnx.py::test_training_matches_nnx_value_and_grad_without_the_wrapper",
+    "tests/test_nnx.py::test_value_and_grad_threads_rng_and_batch_stats_exactly_like_nnx",
+    "tests/test_nnx.py::test_plain_and_fused_paths_agree_step_by_step",
+    "tests/test_nnx.py::test_plain_and_fused_paths_agree",
+    "tests/test_nnx.py::test_value_and_grad_returns_aux_and_differentiates_several_arguments",
+    "tests/test_nnx.py::test_orbax_resume_is_bit_identical_to_the_uninterrupted_run",
+    "tests/test_equinox.py::test_training_matches_filter_value_and_grad_without_the_wrapper",
+    "tests/test_equinox.py::test_value_and_grad_on_an_eqx_module_is_filtered_and_threads_the_state",
+    "tests/test_equinox.py::test_plain_and_fused_paths_agree_step_by_step",
+    "tests/test_equinox.py::test_plain_and_fused_paths_agree",
+    "tests/test_equinox.py::test_a_skipped_step_keeps_the_forward_pass_state_and_nothing_else",
     "tests/test_docs.py::test_python_block_runs_on_virtual_devices",
 )
 
