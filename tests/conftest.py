@@ -1,7 +1,8 @@
 """Marks the tests that make the suite slow, so that ``pytest -m "not slow"`` is quick.
 
-CI (``.ci/run``) runs everything. The quick subset (under a minute on 2 cores) runs only
-the first parametrization of each test function (the others are marked slow), and none of
+CI (``.ci/run``) runs everything. The quick subset (under a minute on 2 cores) runs one
+parametrization of each test function (the first jitted one, or the first; the others are
+marked slow), and none of
 the tests that start other processes (8 virtual devices, several hosts, a fresh resume, the
 type checker), execute the notebooks, build the docs, run the demo, import torch or search
 with hypothesis. Marked here, by module, node id or fixture, rather than in each file; a test can
@@ -56,12 +57,23 @@ SLOW_TESTS = (
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = config.rootpath
-    seen: set[str] = set()
-    for item in items:
+
+    def node_of(item: pytest.Item) -> tuple[str, str]:
         path = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
-        node = f"{path}::{getattr(item, 'originalname', item.name)}"
-        repeated = hasattr(item, "callspec") and node in seen  # not the first parametrization
-        seen.add(node)
+        return path, f"{path}::{getattr(item, 'originalname', item.name)}"
+
+    # One parametrization per test function stays quick: the first one that is not eager
+    # (op-by-op eager runs are the slow ones; the jitted run is what users run), or else
+    # the first.
+    quick: dict[str, str] = {}
+    for item in items:
+        _, node = node_of(item)
+        if hasattr(item, "callspec") and (
+                node not in quick or ("eager" in quick[node] and "eager" not in item.name)):
+            quick[node] = item.name
+    for item in items:
+        path, node = node_of(item)
+        repeated = hasattr(item, "callspec") and quick.get(node) != item.name
         searches = getattr(getattr(item, "obj", None), "is_hypothesis_test", False)
         if (repeated or searches or path.startswith(SLOW_MODULES) or node in SLOW_TESTS
                 or not SLOW_FIXTURES_SET.isdisjoint(getattr(item, "fixturenames", ()))):
