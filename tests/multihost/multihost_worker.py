@@ -450,14 +450,12 @@ def checkpoint_run(mesh: Mesh) -> dict[str, Any]:
 
 
 def recipe() -> dict[str, Any]:
-    """The README's Orbax recipe (``save`` / ``restore``), as ``tests/test_checkpoint.py``
-    keeps it identical to the README."""
+    """The Orbax recipe (``save`` / ``restore``) of docs/checkpoints.md, as
+    ``tests/test_checkpoint.py`` runs it (the docs block imported, its demo part not run)."""
     sys.path.insert(0, str(TESTS))
-    from test_checkpoint import SAVE_RESTORE_SNIPPET
+    from test_checkpoint import recipe as docs_recipe
 
-    namespace: dict[str, Any] = {}
-    exec(SAVE_RESTORE_SNIPPET, namespace)
-    return namespace
+    return docs_recipe()
 
 
 def save(args: argparse.Namespace) -> dict[str, Any]:
