@@ -94,6 +94,8 @@ class LossScalingState(NamedTuple):
 class UnderflowStats(NamedTuple):
     """Per gradient leaf, how much of the last step's gradient float16 could not hold.
 
+    A step whose gradients are not finite keeps the previous values.
+
     Attributes:
       zero: float32 vector, one entry per gradient leaf: the fraction of entries that are
         exactly zero (in the scaled gradients: what underflowed in the backward pass).
@@ -560,8 +562,10 @@ def _next_state(core: _Core, state: LossScalingState, inner_state: Any,
     clean_growths = jnp.where(check.grads_finite,
                               state.clean_growths + grew.astype(jnp.int32), 0)
     underflow = None
-    if state.underflow is not None:
-        underflow = _underflow_stats(check.grads, check.inverse)
+    if state.underflow is not None:  # non-finite gradients have no fractions: keep the last
+        underflow = optax.tree.where(check.grads_finite,
+                                     _underflow_stats(check.grads, check.inverse),
+                                     state.underflow)
     # Flags of the last step skipped for its gradients; frozen once the run has failed.
     keep_flags = applied | ~check.healthy | check.grads_finite
     new_state = LossScalingState(
