@@ -18,6 +18,7 @@ from loss_scaling.scalers import (
 from loss_scaling.serialization import (
     FORMAT_VERSION,
     check_same_config,
+    from_bytes,
     from_state_dict,
     restore_loss_scale,
     restore_with_config,
@@ -49,11 +50,14 @@ __all__ = [
     "apply_gradients",
     "check",
     "check_same_config",
+    "from_bytes",
     "from_state_dict",
     "get_loss_scale",
     "loss_scale_for",
     "metrics",
     "nonfinite_grad_paths",
+    "orbax_restore",
+    "orbax_save_args",
     "restore_loss_scale",
     "restore_with_config",
     "scale",
@@ -63,3 +67,16 @@ __all__ = [
     "value_and_grad",
     "with_loss_scaling",
 ]
+
+# Imported on first use: `import loss_scaling` never imports Orbax (an optional dependency).
+_LAZY = {"orbax_save_args": ("loss_scaling.orbax", "save_args"),
+         "orbax_restore": ("loss_scaling.orbax", "restore")}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(module), attribute)
+    raise AttributeError(f"module 'loss_scaling' has no attribute {name!r}")

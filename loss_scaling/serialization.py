@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import reprlib
+import struct
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -131,9 +133,18 @@ def _mapping(name: str | None, value: Any, keys: tuple[str, ...],
 
 
 def _scalar_item(name: str, value: Any) -> Any:
-    """A concrete 0-d array as its Python scalar; anything else unchanged."""
+    """A concrete 0-d numeric array as its Python scalar; anything else unchanged.
+
+    datetime64, timedelta64 and object arrays (and numpy's datetime / timedelta scalars,
+    which numpy counts as integers) are refused: ``.item()`` would turn them into numbers.
+    """
     if isinstance(value, jax.core.Tracer):
         raise ValueError(f"{_INVALID}{name} must be a concrete number, got a traced value.")
+    dtype = getattr(value, "dtype", None)
+    if isinstance(dtype, np.dtype) and not (
+            dtype.kind in "biufc" or jnp.issubdtype(dtype, jnp.floating)):
+        raise ValueError(
+            f"{_INVALID}{name} must be a number, got {_show(value)} of dtype {dtype}.")
     if isinstance(value, (np.ndarray, jax.Array)) and value.shape == ():
         return value.item()
     return value
@@ -292,6 +303,35 @@ def _kind(scaler: Any) -> str:
     return kind
 
 
+def _host_array(leaf: Any) -> np.ndarray:
+    """A concrete leaf on the host; a replicated array that spans other hosts' devices
+    (multi-host ``NamedSharding``) is read from this host's own copy."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        if not leaf.is_fully_replicated:
+            raise ValueError(
+                f"a loss-scale leaf of shape {leaf.shape} is sharded across hosts: the loss "
+                "scale must be replicated (it is, unless placed otherwise by hand).")
+        return np.asarray(leaf.addressable_data(0))
+    return np.asarray(leaf)
+
+
+def _concrete(leaf: Any) -> bool:
+    return leaf is not None and not isinstance(
+        leaf, (jax.ShapeDtypeStruct, jax.core.Tracer)) and hasattr(leaf, "shape")
+
+
+def _static_factor(scaler: StaticLossScale) -> float | None:
+    """The factor of a concrete static scaler (one value, replicated or not); None for a
+    placeholder (an abstract target carries no factor)."""
+    if not _concrete(scaler.loss_scale):
+        return None
+    values = np.unique(_host_array(scaler.loss_scale).astype(np.float32))
+    if values.size != 1:
+        raise ValueError(
+            f"the StaticLossScale's replicas disagree: loss_scale {_show(values.tolist())}.")
+    return float(values[0])
+
+
 def _read(name: str, leaf: Any, integer: bool) -> float | int:
     """A scalar leaf as a Python number; refuses tracers and non-scalars."""
     if isinstance(leaf, jax.core.Tracer):
@@ -299,7 +339,7 @@ def _read(name: str, leaf: Any, integer: bool) -> float | int:
             f"state_dict needs concrete values, but {name} is a traced value {leaf!r}: call "
             "it outside jit/grad/vmap, on the state a compiled step returned."
         )
-    array = np.asarray(leaf)
+    array = _host_array(leaf)
     if array.shape != ():
         raise ValueError(
             f"state_dict needs scalar values, but {name} has shape {array.shape}. A "
@@ -430,6 +470,15 @@ def _config_differences(saved: Any, target: LossScale) -> list[str]:
         saved_config = saved.config if isinstance(saved, DynamicLossScale) else None
     if saved_kind != target_kind:
         return [f"kind: saved {saved_kind!r}, target {target_kind!r}"]
+    if isinstance(target, StaticLossScale):
+        # A static factor is configuration held in a leaf: compared, never adopted silently.
+        saved_factor = (_parse(saved)[2]["loss_scale"] if isinstance(saved, Mapping)
+                        else _static_factor(saved))
+        target_factor = _static_factor(target)
+        if None not in (saved_factor, target_factor) and saved_factor != target_factor:
+            return [f"loss_scale (a StaticLossScale's factor): saved {saved_factor!r}, "
+                    f"target {target_factor!r}"]
+        return []
     if saved_config is None or not isinstance(target, DynamicLossScale):
         return []
     return [
@@ -521,6 +570,11 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
             "kind; to change it, build the new state from the saved scale, e.g. "
             "`ls.StaticLossScale(float(saved.loss_scale))`."
         )
+    if isinstance(target, StaticLossScale):
+        # The factor is the static scale's configuration: the target's wins (the saved one
+        # when the target is abstract and has none).
+        factor = _static_factor(target)
+        return _build(kind, None, values if factor is None else {"loss_scale": factor})
     if not isinstance(target, DynamicLossScale):
         return _build(kind, None, values)
     config = target.config
@@ -639,11 +693,7 @@ def restore_loss_scale(
             "the one `get_loss_scale(state, path)` picks; it replaces exactly one: give "
             "each loss scale its own arrays.")
 
-    def place(new_leaf: jax.Array, old_leaf: Any) -> Any:
-        sharding = getattr(old_leaf, "sharding", None)
-        return new_leaf if sharding is None else jax.device_put(new_leaf, sharding)
-
-    new = jax.tree.map(place, new, target)
+    new = jax.tree.map(place_like, new, target)
     out = optax.tree_utils.tree_set(
         state, is_target, LossScalingState=found[0][1]._replace(scaler=new))
     if any(a is not b for a, b in zip(jax.tree.leaves(loss_scaling.get_loss_scale(out, path)),
@@ -655,6 +705,18 @@ def restore_loss_scale(
     return out
 
 
+def place_like(value: Any, like: Any) -> Any:
+    """``value`` (a scalar) in the layout of the leaf ``like``: its shape (a replicated
+    state's leading device axes) and its sharding (``NamedSharding`` or pmap's, on one
+    host or many: each device gets its copy from this host's value)."""
+    shape = tuple(np.shape(like))
+    host = np.broadcast_to(np.asarray(value), shape)
+    sharding = getattr(like, "sharding", None)
+    if sharding is None or isinstance(like, jax.core.Tracer):
+        return jnp.asarray(host)
+    return jax.make_array_from_callback(shape, sharding, lambda index: host[index])
+
+
 # ------------------------------------------------------------------ flax.serialization
 
 _FLAX_LEAVES = {
@@ -664,8 +726,74 @@ _FLAX_LEAVES = {
 }
 _FLAX_OPTIONAL = ("failure",)  # absent from bytes written before failures were recorded
 
+# The checked record that flax.serialization stores for a static or dynamic scaler:
+#   magic b"LSR1" | kind u8 (1 static, 2 dynamic) | ndim u8 | dims u32[ndim] |
+#   each leaf of _FLAX_LEAVES, little-endian float32 / int32, C order | crc32 u32
+# of everything before it. One msgpack `bin`: msgpack never decodes inside it, so a
+# corrupted byte of the record reaches `_flax_from_state_dict` (a ValueError naming the
+# field), and the CRC-32 refuses every 1- to 32-bit burst and all but 2**-32 of the rest:
+# a flipped bit of the scale's float32 can give another in-range scale, which no range
+# check can see.
+_RECORD_MAGIC = b"LSR1"
+_RECORD_KIND = {StaticLossScale: 1, DynamicLossScale: 2}
+_RECORD_DTYPE = {"loss_scale": np.dtype("<f4")}
+_INT_DTYPE = np.dtype("<i4")
 
-def _flax_to_state_dict(scaler: LossScale) -> dict[str, Any]:
+
+def _record(scaler: LossScale) -> bytes | None:
+    """The checked record of a concrete scaler; None for placeholders and tracers."""
+    names = _FLAX_LEAVES[type(scaler)]
+    leaves = [getattr(scaler, name) for name in names]
+    if not all(map(_concrete, leaves)):
+        return None
+    arrays = [_host_array(leaf) for leaf in leaves]
+    shape = arrays[0].shape
+    if any(a.shape != shape for a in arrays) or len(shape) > 255:
+        return None
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        body = b"".join(np.ascontiguousarray(a.astype(_RECORD_DTYPE.get(n, _INT_DTYPE))).tobytes()
+                        for n, a in zip(names, arrays, strict=True))
+    payload = (_RECORD_MAGIC + struct.pack("<BB", _RECORD_KIND[type(scaler)], len(shape))
+               + struct.pack(f"<{len(shape)}I", *shape) + body)
+    return payload + struct.pack("<I", zlib.crc32(payload))
+
+
+def _read_record(target: LossScale, record: bytes) -> dict[str, np.ndarray]:
+    """The named arrays of a checked record; a ValueError for anything corrupted."""
+    names = _FLAX_LEAVES[type(target)]
+    if len(record) < len(_RECORD_MAGIC) + 6 or zlib.crc32(record[:-4]) != struct.unpack(
+            "<I", record[-4:])[0]:
+        raise _flax_error(
+            f"the record of {', '.join(names)} ({len(record)} bytes) fails its CRC-32 check: "
+            "the bytes are corrupted or truncated. Restore an intact copy of the checkpoint.")
+    if record[:4] != _RECORD_MAGIC:
+        raise _flax_error(f"the record starts with {record[:4]!r}, not {_RECORD_MAGIC!r}: it "
+                          "was written by a newer or another program.")
+    kind, ndim = struct.unpack("<BB", record[4:6])
+    if kind != _RECORD_KIND[type(target)]:
+        saved = {v: k.__name__ for k, v in _RECORD_KIND.items()}.get(kind, f"kind {kind}")
+        raise _flax_error(f"the bytes hold a {saved}, the target is a {type(target).__name__}.")
+    shape = struct.unpack(f"<{ndim}I", record[6:6 + 4 * ndim])
+    count = int(np.prod(shape, dtype=np.int64))
+    if len(record) != 6 + 4 * ndim + 4 * count * len(names) + 4:
+        raise _flax_error(f"the record's length ({len(record)} bytes) does not match its "
+                          f"shape {shape}.")
+    arrays, offset = {}, 6 + 4 * ndim
+    for name in names:
+        dtype = _RECORD_DTYPE.get(name, _INT_DTYPE)
+        arrays[name] = np.frombuffer(record, dtype, count, offset).reshape(shape).astype(
+            dtype.newbyteorder("="))
+        offset += 4 * count
+    return arrays
+
+
+def _flax_to_state_dict(scaler: LossScale) -> Any:
+    if isinstance(scaler, NoOpLossScale):
+        return {}
+    record = _record(scaler)
+    if record is not None:
+        return record
+    # Placeholders (None, ShapeDtypeStruct) and tracers: the leaves by name, unchecked.
     return {name: getattr(scaler, name) for name in _FLAX_LEAVES[type(scaler)]}
 
 
@@ -674,12 +802,18 @@ def _flax_error(message: str) -> ValueError:
     return ValueError(f"cannot restore the loss-scale state at {path!r}: {message}")
 
 
+def _expected_shape(target_leaf: Any) -> tuple[int, ...]:
+    """The shape a restored leaf must have: the target's (its replica or device axes
+    included); a None placeholder stands for an unreplicated scalar."""
+    return () if target_leaf is None else tuple(np.shape(target_leaf))
+
+
 def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
-    """Checks a concrete restored leaf against the target's configuration.
+    """Checks a concrete restored leaf against the target's layout and configuration.
 
     Placeholders (``None``, ``ShapeDtypeStruct``, tracers) pass through untouched.
-    Anything else must be a numeric array (of any shape: a ``pmap``-ed state has a
-    leading device axis), checked elementwise.
+    Anything else must be a numeric array of the target leaf's shape (a ``pmap``-ed
+    state has a leading device axis), checked elementwise.
     """
     if value is None or isinstance(value, (jax.ShapeDtypeStruct, jax.core.Tracer)):
         return value
@@ -692,13 +826,20 @@ def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
         raise _flax_error(
             f"{name} must be {'an integer' if integer else 'a floating'} array, got "
             f"{_show(value)} of dtype {array.dtype}.")
+    target_leaf = getattr(target, name, None)
+    expected = _expected_shape(target_leaf)
+    if array.shape != expected:
+        raise _flax_error(
+            f"{name} has shape {array.shape}, the target's has shape {expected}: restore into "
+            "a target of the saved layout (a pmap-replicated state has a leading device "
+            "axis: replicate the target with flax.jax_utils.replicate, or save one replica).")
     dtype = np.int32 if integer else np.float32
     if integer:
         assert isinstance(target, DynamicLossScale)  # the only kind with integer leaves
         config = target.config
         high = {"growth_tracker": config.growth_interval - 1,
                 "nonfinite_tracker": config.hysteresis}.get(name, max(Failure))
-        if array.size and not (array.min() >= 0 and array.max() <= high):
+        if not (array.min(initial=0) >= 0 and array.max(initial=0) <= high):
             raise _flax_error(
                 f"{name} must lie in [0, {high}] for the target's configuration, got "
                 f"{_show(value)}. If the saved configuration differs, restore the saved "
@@ -712,28 +853,112 @@ def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
         if isinstance(target, DynamicLossScale):
             low = max(low, target.min_scale or low)
             high_scale = min(high_scale, target.max_scale or high_scale)
-        if as_f32.size and not np.all(np.isfinite(as_f32) & (as_f32 >= low)
-                                      & (as_f32 <= high_scale)):
+        if not np.all(np.isfinite(as_f32) & (as_f32 >= low) & (as_f32 <= high_scale)):
             raise _flax_error(
                 f"loss_scale must be a finite, positive, normal float32 in [{low!r}, "
                 f"{high_scale!r}] (the target's range), got {_show(value)}.")
+        if isinstance(target, StaticLossScale) and _concrete(target_leaf):
+            configured = _host_array(target_leaf).astype(np.float32)
+            if not np.array_equal(as_f32, configured):
+                raise _flax_error(
+                    f"loss_scale: saved {_show(as_f32.tolist())}, the target's "
+                    f"StaticLossScale factor is {_show(configured.tolist())}. A static "
+                    "factor is configuration: build the target with the saved factor, or "
+                    "restore into a placeholder (`jax.tree.map(lambda _: None, target)`) and "
+                    "adopt the new one with `loss_scaling.restore_with_config`.")
     if isinstance(value, jax.Array) and value.dtype == dtype:
         return value
     return jnp.asarray(array.astype(dtype))
 
 
 def _flax_from_state_dict(target: LossScale, state: Any) -> LossScale:
+    try:
+        return _flax_restore(target, state)
+    except ValueError:
+        raise
+    except Exception as error:  # hostile state: still a ValueError that names the path
+        raise _flax_error(f"{type(error).__name__}: {error}") from None
+
+
+def _flax_restore(target: LossScale, state: Any) -> LossScale:
     names = _FLAX_LEAVES[type(target)]
-    if isinstance(state, Mapping) and set(names) - set(state) <= set(_FLAX_OPTIONAL):
-        state = {"failure": np.zeros_like(np.asarray(state.get("loss_scale", 0)), np.int32),
-                 **state} if "failure" in names else state
+    if isinstance(state, (bytes, bytearray, memoryview)) and names:
+        state = _read_record(target, bytes(state))
+    elif names and isinstance(state, Mapping) and set(names) - set(state) <= set(_FLAX_OPTIONAL):
+        # Bytes written before the checked record (no CRC: the values are range-checked).
+        if "failure" in names and "failure" not in state:
+            shape = np.shape(np.asarray(state.get("loss_scale", 0)))
+            state = {"failure": np.zeros(shape, np.int32), **state}
     if not isinstance(state, Mapping) or set(state) != set(names):
         got = sorted(map(_show, state)) if isinstance(state, Mapping) else _show(state)
-        raise _flax_error(f"expected a dict with exactly the keys {list(names)}, got {got}.")
+        raise _flax_error(f"expected {'the checked record of' if names else 'a dict with'} "
+                          f"the keys {list(names)}, got {got}.")
     leaves = [_flax_leaf(target, name, state[name]) for name in names]
     # Every child of the target counts as one leaf, whatever it holds (even None).
     treedef = jax.tree.structure(target, is_leaf=lambda x: x is not target)
     return jax.tree.unflatten(treedef, leaves)
+
+
+def from_bytes(target: Any, encoded: bytes) -> Any:
+    """``flax.serialization.from_bytes``, with every failure a ``ValueError``.
+
+    ``flax.serialization.from_bytes`` decodes the whole message with msgpack before any
+    restore hook runs: truncated bytes, or a corrupted byte of msgpack's own framing,
+    raise there (msgpack's ``ValueError`` / ``ExtraData``, or a ``TypeError`` or
+    ``UnicodeDecodeError`` from flax's array decoding) and name no field. This function
+    turns those into a ``ValueError`` that names the loss-scale states of ``target``, so
+    that a caller can handle corrupted checkpoints with one ``except ValueError``. A
+    corrupted loss-scale record itself is refused (CRC-32) by either function.
+
+    Args:
+      target: the restore target, as for ``flax.serialization.from_bytes``.
+      encoded: bytes from ``flax.serialization.to_bytes``.
+
+    Returns:
+      ``target`` with the restored values.
+
+    Raises:
+      ValueError: for anything that does not restore into ``target``: undecodable bytes,
+        another structure, a corrupted loss-scale record or invalid values.
+
+    Examples:
+      >>> import flax.serialization
+      >>> import loss_scaling as ls
+      >>> from loss_scaling.serialization import from_bytes
+      >>> s = ls.update(ls.DynamicLossScale(init_scale=256.0), False)
+      >>> data = flax.serialization.to_bytes({"scaler": s})
+      >>> float(from_bytes({"scaler": ls.DynamicLossScale()}, data)["scaler"].loss_scale)
+      128.0
+      >>> from_bytes({"scaler": ls.DynamicLossScale()}, data[:-1])
+      Traceback (most recent call last):
+      ...
+      ValueError: cannot decode the bytes for the loss-scale state at './scaler': ...
+    """
+    def is_scaler(x: Any) -> bool:
+        return isinstance(x, (NoOpLossScale, StaticLossScale, DynamicLossScale))
+
+    paths = [
+        "./" + "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                        for k in path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_scaler)[0]
+        if is_scaler(_)]
+    where = (f"the loss-scale state at {', '.join(map(repr, paths))}" if paths
+             else "a target holding no loss scale")
+    try:
+        state = flax.serialization.msgpack_restore(encoded)
+    except Exception as error:
+        raise ValueError(
+            f"cannot decode the bytes for {where}: msgpack says {type(error).__name__}: "
+            f"{_show(str(error))}. They are truncated or corrupted: restore an intact copy."
+        ) from None
+    try:
+        return flax.serialization.from_state_dict(target, state)
+    except ValueError:
+        raise
+    except Exception as error:
+        raise ValueError(
+            f"cannot restore {where} from the decoded bytes: {type(error).__name__}: "
+            f"{_show(str(error))}. They do not match the target's structure.") from None
 
 
 for _cls in _FLAX_LEAVES:

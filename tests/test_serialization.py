@@ -409,8 +409,8 @@ def valid_dicts(draw) -> dict:
     d["config"] = {
         "growth_factor": draw(st.floats(min_value=1.0, max_value=2.0**100, exclude_min=True,
                                         width=32)),
-        "backoff_factor": draw(st.floats(min_value=0.0, max_value=1.0, exclude_min=True,
-                                         exclude_max=True, width=32)),
+        "backoff_factor": draw(st.floats(min_value=TINY, max_value=1.0, exclude_max=True,
+                                         width=32)),   # subnormal factors are refused
         "growth_interval": interval,
         "hysteresis": hysteresis,
         "min_scale": draw(st.none() | st.floats(min_value=TINY, max_value=scale, width=32)),
