@@ -151,13 +151,10 @@ def restore(
         raise ValueError(f"the loss-scale item of step {step} is not a state dict: "
                          f"{serialization._show(saved)}.")
     saved_scaler = serialization.from_state_dict(saved)  # validated
-    configured = lookup.get_loss_scale(abstract_state, path)
-    if not adopt_config:
-        serialization.check_same_config(saved, configured)
-    elif isinstance(configured, StaticLossScale):
-        factor = serialization._static_factor(configured)
-        if factor is not None:  # adopting a static configuration: the configured factor
-            saved = serialization.state_dict(StaticLossScale(factor))
+    # Checked against the target before anything is restored; a concrete target's static
+    # factor is compared too (after the restore, the state holds the saved one).
+    new = serialization.resolve(saved, lookup.get_loss_scale(abstract_state, path),
+                                adopt_config=adopt_config)
     restored = mngr.restore(step, args=ocp.args.Composite(
         **{STATE_ITEM: ocp.args.StandardRestore(abstract_state)}))[STATE_ITEM]
     arrays = _values(lookup.get_loss_scale(restored, path))
@@ -171,5 +168,4 @@ def restore(
                 f"the checkpoint of step {step} is corrupted: its arrays say {name} "
                 f"{serialization._show(got.tolist())}, its loss-scale JSON says "
                 f"{expected.item()!r}. Restore an intact copy.")
-    return serialization.restore_loss_scale(restored, saved, adopt_config=adopt_config,
-                                            path=path)
+    return serialization.replace_loss_scale(restored, new, path)

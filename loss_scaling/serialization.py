@@ -670,11 +670,25 @@ def restore_loss_scale(
     import loss_scaling  # for get_loss_scale, whichever module defines it
 
     target = loss_scaling.get_loss_scale(state, path)  # clear errors for none or several
+    return replace_loss_scale(state, resolve(saved, target, adopt_config=adopt_config), path)
+
+
+def resolve(saved: LossScale | Mapping[str, Any], target: LossScale, *,
+            adopt_config: bool) -> LossScale:
+    """The scaler a restore gives: ``saved`` checked against ``target``'s configuration,
+    or (``adopt_config``) the saved values under it."""
     if adopt_config:
-        new = restore_with_config(saved, target)
-    else:
-        check_same_config(saved, target)
-        new = from_state_dict(saved if isinstance(saved, Mapping) else state_dict(saved))
+        return restore_with_config(saved, target)
+    check_same_config(saved, target)
+    return from_state_dict(saved if isinstance(saved, Mapping) else state_dict(saved))
+
+
+def replace_loss_scale(state: Any, new: LossScale, path: str | None = None) -> Any:
+    """``state`` with the loss scale ``get_loss_scale(state, path)`` picks replaced by
+    ``new`` (a scalar state), placed in the layout of the leaves it replaces."""
+    import loss_scaling
+
+    target = loss_scaling.get_loss_scale(state, path)
     target_leaves = jax.tree.leaves(target)
     if not target_leaves:  # a NoOpLossScale: nothing to restore
         return state
