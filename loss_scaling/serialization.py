@@ -967,12 +967,15 @@ def from_bytes(target: Any, encoded: bytes) -> Any:
         ) from None
     try:
         return flax.serialization.from_state_dict(target, state)
-    except ValueError:
-        raise
+    except ValueError as error:
+        if str(error).startswith("cannot restore the loss-scale state at "):
+            raise  # ours, naming the field
+        raise ValueError(f"cannot restore {where}: the decoded bytes do not match the "
+                         f"target's structure ({error}).") from None
     except Exception as error:
         raise ValueError(
-            f"cannot restore {where} from the decoded bytes: {type(error).__name__}: "
-            f"{_show(str(error))}. They do not match the target's structure.") from None
+            f"cannot restore {where}: the decoded bytes do not match the target's "
+            f"structure ({type(error).__name__}: {_show(str(error))}).") from None
 
 
 for _cls in _FLAX_LEAVES:
