@@ -5,7 +5,7 @@ Loss-scale states are immutable pytrees; ``scale`` / ``unscale`` / ``all_finite`
 optimizer so that non-finite steps are skipped exactly.
 """
 
-from loss_scaling._errors import Failure, LossScaleError
+from loss_scaling._errors import Failure, LossScaleError, LossScaleWarning
 from loss_scaling.lookup import check, get_loss_scale, metrics, nonfinite_grad_paths
 from loss_scaling.scalers import (
     DynamicLossScale,
@@ -26,8 +26,10 @@ from loss_scaling.serialization import (
 )
 from loss_scaling.train_step import TrainState, value_and_grad
 from loss_scaling.transform import (
+    SUSPICIOUS_GROWTHS,
     LossScalingState,
     LossScalingTransformation,
+    UnderflowStats,
     apply_gradients,
     with_loss_scaling,
 )
@@ -41,11 +43,14 @@ __all__ = [
     "Failure",
     "LossScale",
     "LossScaleError",
+    "LossScaleWarning",
     "LossScalingState",
     "LossScalingTransformation",
     "NoOpLossScale",
+    "SUSPICIOUS_GROWTHS",
     "StaticLossScale",
     "TrainState",
+    "UnderflowStats",
     "all_finite",
     "apply_gradients",
     "check",

@@ -28,6 +28,22 @@ class LossScaleError(RuntimeError):
     __module__ = "loss_scaling"
 
 
+class LossScaleWarning(UserWarning):
+    """Something about the loss scale looks wrong, but the run can continue."""
+
+    __module__ = "loss_scaling"
+
+
+SUSPICIOUS_SCALE = (
+    "the loss scale grew {growths} times in a row without a single overflow (it is now "
+    "{scale!r}). With a scaled loss the gradients grow with the scale and overflow sooner or "
+    "later; when they never do, the loss was probably not scaled (differentiate "
+    "`loss_scaling.scale(state, loss)`, or use `loss_scaling.value_and_grad`), or the model "
+    "needs no loss scaling (use NoOpLossScale, or compute in bfloat16). Turn on "
+    "`underflow_diagnostics=True` to see how much of the gradients float16 loses."
+)
+
+
 class Failure(enum.IntEnum):
     """Why a state failed; stored as an int32 (0 while healthy).
 

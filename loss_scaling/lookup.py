@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -11,7 +12,13 @@ import optax
 
 from loss_scaling import _errors, scalers
 from loss_scaling.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
-from loss_scaling.transform import LossScalingState, failure_message, leaf_names
+from loss_scaling.transform import (
+    SUSPICIOUS_GROWTHS,
+    LossScalingState,
+    UnderflowStats,
+    failure_message,
+    leaf_names,
+)
 
 __all__ = ["check", "get_loss_scale", "metrics", "nonfinite_grad_paths"]
 
@@ -114,7 +121,13 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       caused by a non-finite ``loss=``); ``nonfinite_grad_leaves``, the number of
       gradient leaves that were non-finite on the most recent skipped step; ``failed``
       (bool) and ``failure`` (the int32 :class:`loss_scaling.Failure` code): whether the
-      run has failed, and why (:func:`check` raises it on the host).
+      run has failed, and why (:func:`check` raises it on the host); ``clean_growths``
+      (growths of the scale since the last overflow) and ``scale_suspicious``
+      (``clean_growths >= SUSPICIOUS_GROWTHS``, 20: the scale grew a millionfold without one
+      overflow, which points at a loss that was not scaled, or a model that needs no
+      scaling). With ``underflow_diagnostics=True``: ``zero_grad_fraction`` and
+      ``small_grad_fraction`` (overall, weighted by leaf size) and their ``..._per_leaf``
+      vectors (see :class:`loss_scaling.UnderflowStats`).
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -123,7 +136,8 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       >>> {k: v.item() for k, v in ls.metrics(opt_state).items()}  # doctest: +NORMALIZE_WHITESPACE
       {'loss_scale': 32768.0, 'growth_tracker': 0, 'skipped_steps': 0,
        'consecutive_skips': 0, 'last_step_finite': True, 'nonfinite_loss_steps': 0,
-       'nonfinite_grad_leaves': 0, 'failed': False, 'failure': 0}
+       'nonfinite_grad_leaves': 0, 'failed': False, 'failure': 0, 'clean_growths': 0,
+       'scale_suspicious': False}
     """
     state = _get_wrapper_state(opt_state, path)
     scaler = state.scaler
@@ -138,6 +152,22 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
         "nonfinite_grad_leaves": jnp.sum(state.nonfinite_grads, axis=-1, dtype=jnp.int32),
         "failed": state.failure != _errors.Failure.NONE,
         "failure": state.failure,
+        "clean_growths": state.clean_growths,
+        "scale_suspicious": state.clean_growths >= SUSPICIOUS_GROWTHS,
+        **_underflow_metrics(state.underflow),
+    }
+
+
+def _underflow_metrics(stats: UnderflowStats | None) -> dict[str, jax.Array]:
+    if stats is None:
+        return {}
+    weights = stats.size.astype(jnp.float32)
+    total = jnp.maximum(jnp.sum(weights, axis=-1), 1.0)
+    return {
+        "zero_grad_fraction": jnp.sum(stats.zero * weights, axis=-1) / total,
+        "small_grad_fraction": jnp.sum(stats.small * weights, axis=-1) / total,
+        "zero_grad_fraction_per_leaf": stats.zero,
+        "small_grad_fraction_per_leaf": stats.small,
     }
 
 
@@ -171,6 +201,8 @@ def nonfinite_grad_paths(opt_state: Any, params: Any, path: str | None = None) -
       ['dec.w']
     """
     flags = np.asarray(_get_wrapper_state(opt_state, path).nonfinite_grads)
+    if isinstance(params, optax.LookaheadParams):  # differentiated: the fast params only
+        params = params.fast
     names = leaf_names(params)
     if flags.shape[-1:] != (len(names),):
         raise ValueError(
@@ -225,6 +257,12 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
     Raises:
       LossScaleError: with the full message, if the state has failed.
 
+    Warns:
+      LossScaleWarning: if the scale grew :data:`SUSPICIOUS_GROWTHS` (20) times in a row
+        without a single overflow: a millionfold growth with gradients that never come near
+        float16's range points at a loss that was not scaled (use ``ls.scale`` /
+        ``ls.value_and_grad``), or at a model that needs no loss scaling.
+
     Examples:
       >>> import jax, jax.numpy as jnp, optax
       >>> import loss_scaling as ls
@@ -256,8 +294,13 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
                 scalers.failure_message(_first_failing(state, failure)))
         return
     wrapper = _get_wrapper_state(state, path)
-    failure = _host(wrapper.failure)
+    failure, growths = (_host(x) for x in (wrapper.failure, wrapper.clean_growths))
     if np.any(failure != _errors.Failure.NONE):
         names = None if params is None else leaf_names(params)
         raise _errors.LossScaleError(
             failure_message(_first_failing(wrapper, failure), names))
+    if np.any(growths >= SUSPICIOUS_GROWTHS):
+        now = float(_host(jnp.asarray(wrapper.scaler.loss_scale)).reshape(-1)[0])
+        warnings.warn(_errors.SUSPICIOUS_SCALE.format(growths=int(np.max(growths)),
+                                                      scale=now), _errors.LossScaleWarning,
+                      stacklevel=2)

@@ -22,6 +22,7 @@ README's benchmark table).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -70,6 +71,11 @@ class LossScalingState(NamedTuple):
       failure: int32 :class:`loss_scaling.Failure` code, 0 while healthy. Once set it never
         changes: every later step is skipped and :func:`loss_scaling.check` raises.
       failure_skips: int32, the consecutive skips when the run failed (0 while healthy).
+      clean_growths: int32, growths of the scale since the last non-finite step. Many in a
+        row point at a loss that was not scaled, or a model that needs no scaling
+        (``metrics(...)["scale_suspicious"]``, and a warning from :func:`loss_scaling.check`).
+      underflow: ``None``, or with ``underflow_diagnostics=True`` an
+        :class:`UnderflowStats` of this step's gradients.
     """
 
     scaler: LossScale
@@ -81,6 +87,39 @@ class LossScalingState(NamedTuple):
     nonfinite_grads: jax.Array
     failure: jax.Array
     failure_skips: jax.Array
+    clean_growths: jax.Array
+    underflow: UnderflowStats | None
+
+
+class UnderflowStats(NamedTuple):
+    """Per gradient leaf, how much of the last step's gradient float16 could not hold.
+
+    Attributes:
+      zero: float32 vector, one entry per gradient leaf: the fraction of entries that are
+        exactly zero (in the scaled gradients: what underflowed in the backward pass).
+      small: float32 vector: the fraction of entries that are nonzero but, unscaled, below
+        float16's smallest normal (6.1e-5): what float16 would lose without the scale.
+      size: int32 vector: the entries of each floating leaf (0 for integer leaves), which
+        weigh the overall fractions.
+    """
+
+    zero: jax.Array
+    small: jax.Array
+    size: jax.Array
+
+
+SUSPICIOUS_GROWTHS = 20
+"""Growths in a row without an overflow after which the scale is suspicious (2**20 up)."""
+
+_F16_TINY = float(np.finfo(np.float16).tiny)
+
+LOW_PRECISION_STATE = (
+    "with_loss_scaling: the params {leaves} are {dtype} and the wrapped optimizer keeps its "
+    "state in the params' dtype. In {dtype} that state under- and overflows (Adam's eps=1e-8 "
+    "is 0 in float16: one step turns params into NaN, and no gradient check can catch it). "
+    "Keep float32 master params and compute in float16 inside the loss function (cast the "
+    "params there), as the README's recipes do."
+)
 
 
 def _resolve_skip(skip: SkipMode, fused: bool) -> Literal["cond", "select"]:
@@ -150,6 +189,7 @@ class _Core(NamedTuple):
     on_failure: scalers.OnFailure
     max_consecutive_skips: int | None
     nonfinite_loss: NonFiniteLoss
+    underflow_diagnostics: bool
 
 
 class LossScalingTransformation(optax.GradientTransformationExtraArgs):
@@ -183,6 +223,7 @@ def with_loss_scaling(
     on_failure: scalers.OnFailure = "record",
     max_consecutive_skips: int | None = None,
     nonfinite_loss: NonFiniteLoss = "backoff",
+    underflow_diagnostics: bool = False,
     runtime_check: bool | None = None,
 ) -> LossScalingTransformation:
     """Wraps ``inner`` so that it takes gradients of the scaled loss and skips bad steps.
@@ -226,6 +267,12 @@ def with_loss_scaling(
         inf/NaN), so ``"skip"`` skips the step and leaves the loss scale untouched, while
         ``"backoff"`` (the default) treats it like a gradient overflow. Either way it is
         counted in ``nonfinite_loss_steps``.
+      underflow_diagnostics: opt in to per-step underflow statistics
+        (:class:`UnderflowStats`, read through :func:`loss_scaling.metrics`): per gradient
+        leaf and overall, the fraction of entries that are exactly zero and the fraction
+        that are nonzero but below float16's smallest normal once unscaled. They tell
+        whether a model needs a larger scale (or none), and which layers underflow. One
+        fused reduction over the gradients; ``False`` (the default) compiles nothing.
       runtime_check: deprecated; ``True`` is ``on_failure="raise"``, ``False`` the default.
 
     Returns:
@@ -273,19 +320,28 @@ def with_loss_scaling(
     inner = optax.with_extra_args_support(inner)
     initial_scaler = scaler
     core = _Core(inner=inner, axis_name=axis_name, skip=skip, on_failure=on_failure,
-                 max_consecutive_skips=max_consecutive_skips, nonfinite_loss=nonfinite_loss)
+                 max_consecutive_skips=max_consecutive_skips, nonfinite_loss=nonfinite_loss,
+                 underflow_diagnostics=bool(underflow_diagnostics))
 
     def init_fn(params: optax.Params) -> LossScalingState:
+        inner_state = inner.init(params)
+        _warn_low_precision_state(params, inner_state)
+        n_grads = gradient_leaf_count(params)
         return LossScalingState(
             scaler=_fresh(initial_scaler),
-            inner_state=inner.init(params),
+            inner_state=inner_state,
             skipped_steps=jnp.zeros((), jnp.int32),
             consecutive_skips=jnp.zeros((), jnp.int32),
             last_step_finite=jnp.ones((), jnp.bool_),
             nonfinite_loss_steps=jnp.zeros((), jnp.int32),
-            nonfinite_grads=jnp.zeros((gradient_leaf_count(params),), jnp.bool_),
+            nonfinite_grads=jnp.zeros((n_grads,), jnp.bool_),
             failure=jnp.zeros((), jnp.int32),
             failure_skips=jnp.zeros((), jnp.int32),
+            clean_growths=jnp.zeros((), jnp.int32),
+            underflow=UnderflowStats(jnp.zeros((n_grads,), jnp.float32),
+                                     jnp.zeros((n_grads,), jnp.float32),
+                                     jnp.zeros((n_grads,), jnp.int32))
+            if underflow_diagnostics else None,
         )
 
     def update_fn(
@@ -299,8 +355,9 @@ def with_loss_scaling(
 
         def step(operands: Any) -> Any:
             grads, inner_state, params = operands
-            return inner.update(_unscale(grads, inverse), inner_state, params,
-                                **_unscale_extra_args(extra_args, inverse))
+            updates, new_inner = inner.update(_unscale(grads, inverse), inner_state, params,
+                                              **_unscale_extra_args(extra_args, inverse))
+            return updates, _same_dtypes(new_inner, inner_state)
 
         operands = (updates, state.inner_state, params)
         if _resolve_skip(core.skip, fused=False) == "cond":
@@ -319,6 +376,54 @@ def with_loss_scaling(
     tx = LossScalingTransformation(init_fn, update_fn)
     tx.core = core
     return tx
+
+
+def _same_dtypes(new_state: Any, old_state: Any) -> Any:
+    """The inner state in the dtypes it came in, so that a skip can return the old one.
+
+    Only integer params change anything: optax's moments for an int32 param start as int32
+    and come back float32 (optax lets the dtype drift, which retraces a jitted step).
+    """
+    return jax.tree.map(lambda new, old: new if new.dtype == old.dtype else new.astype(old.dtype),
+                        new_state, old_state)
+
+
+def _warn_low_precision_state(params: Any, inner_state: Any) -> None:
+    """Host side, once at ``init``: narrow float params whose optimizer state is as narrow."""
+    def narrow(x: Any) -> bool:
+        dtype = getattr(x, "dtype", None)
+        return (dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+                and jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp)
+
+    names = [name for name, leaf in zip(leaf_names(params), jax.tree.leaves(params),
+                                        strict=True) if narrow(leaf)]
+    if names and any(narrow(leaf) for leaf in jax.tree.leaves(inner_state)):
+        dtype = next(leaf.dtype for leaf in jax.tree.leaves(params) if narrow(leaf))
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        warnings.warn(LOW_PRECISION_STATE.format(leaves=shown, dtype=jnp.dtype(dtype).name),
+                      UserWarning, stacklevel=3)
+
+
+def _underflow_stats(grads: Any, inverse: tree.Reciprocal | None) -> UnderflowStats:
+    """Per leaf: the fractions of exact zeros, and of nonzero entries below float16's
+    smallest normal once unscaled; reductions the compiler fuses with the finite test."""
+    zero, small, size = [], [], []
+    for g in jax.tree.leaves(grads):
+        size.append(jnp.size(g) if tree.is_floating(g) else 0)  # weighs the overall fractions
+        if not tree.is_floating(g) or not jnp.size(g):
+            zero.append(jnp.zeros((), jnp.float32))
+            small.append(jnp.zeros((), jnp.float32))
+            continue
+        magnitude = jnp.abs(g if inverse is None else tree.unscale_leaf(g, inverse))
+        magnitude = magnitude.astype(jnp.float64 if magnitude.dtype == jnp.float64
+                                     else jnp.float32)
+        zero.append(jnp.mean(magnitude == 0, dtype=jnp.float32))
+        small.append(jnp.mean((magnitude > 0) & (magnitude < _F16_TINY), dtype=jnp.float32))
+    if not size:
+        empty = jnp.zeros((0,), jnp.float32)
+        return UnderflowStats(empty, empty, jnp.zeros((0,), jnp.int32))
+    return UnderflowStats(jnp.stack(zero), jnp.stack(small),
+                          jnp.asarray(np.asarray(size, np.int32)))
 
 
 def _reciprocal(scaler: LossScale) -> tree.Reciprocal | None:
@@ -346,6 +451,7 @@ class _Check(NamedTuple):
     loss_finite: jax.Array
     leaf_finite: jax.Array  # one flag per gradient leaf
     names_from: Any  # the gradients' structure, to name their leaves in messages
+    grads: Any  # the scaled gradients (for the opt-in underflow statistics)
     inverse: tree.Reciprocal | None  # the scale's reciprocal, computed once per step
 
 
@@ -373,7 +479,7 @@ def _check(core: _Core, grads: Any, state: LossScalingState, extra_args: dict) -
     if inverse is not None:
         healthy &= scalers.is_positive_normal(state.scaler.loss_scale)
     return _Check(healthy & grads_finite & loss_finite, healthy, grads_finite, loss_finite,
-                  leaf_finite, jax.tree.map(lambda _: 0, grads), inverse)
+                  leaf_finite, jax.tree.map(lambda _: 0, grads), grads, inverse)
 
 
 def _next_state(core: _Core, state: LossScalingState, inner_state: Any,
@@ -402,6 +508,13 @@ def _next_state(core: _Core, state: LossScalingState, inner_state: Any,
     fails = ~failed_before & (failure != Failure.NONE)
     new_scaler = optax.tree.where(failed_before, state.scaler, stepped_scaler)
 
+    # Growths since the last overflow (the mis-use detector), and the underflow statistics.
+    grew = jnp.asarray(new_scaler.loss_scale) > jnp.asarray(state.scaler.loss_scale)
+    clean_growths = jnp.where(check.grads_finite,
+                              state.clean_growths + grew.astype(jnp.int32), 0)
+    underflow = None
+    if state.underflow is not None:
+        underflow = _underflow_stats(check.grads, check.inverse)
     # Flags of the last step skipped for its gradients; frozen once the run has failed.
     keep_flags = applied | ~check.healthy | check.grads_finite
     new_state = LossScalingState(
@@ -414,6 +527,8 @@ def _next_state(core: _Core, state: LossScalingState, inner_state: Any,
         nonfinite_grads=jnp.where(keep_flags, state.nonfinite_grads, ~check.leaf_finite),
         failure=failure,
         failure_skips=jnp.where(fails, consecutive_skips, state.failure_skips),
+        clean_growths=clean_growths,
+        underflow=underflow,
     )
     _report(core, new_state, fails, leaf_names(check.names_from))
     return new_state
@@ -510,10 +625,10 @@ def apply_gradients(
 
     def step(operands: Any) -> Any:
         grads, inner_state, params = operands
-        updates, inner_state = core.inner.update(
+        updates, new_inner = core.inner.update(
             _unscale(grads, inverse), inner_state, params,
             **_unscale_extra_args(extra_args, inverse))
-        return optax.apply_updates(params, updates), inner_state
+        return optax.apply_updates(params, updates), _same_dtypes(new_inner, inner_state)
 
     operands = (grads, opt_state.inner_state, params)
     if _resolve_skip(core.skip, fused=True) == "cond":
