@@ -1,23 +1,40 @@
 """Saving and restoring loss-scale states.
 
-Two routes, both fail-closed:
+Every route either returns a valid state in the target's layout or raises a
+``ValueError`` that names the field and the value:
 
 * :func:`state_dict` / :func:`from_state_dict`: a plain, JSON-compatible dict holding a
   format version, the kind, the configuration and the values. Restoring validates it as
   construction does and refuses anything else with a ``ValueError`` naming the field.
   ``json.dumps`` / ``json.loads`` round trips are bit-exact (every float is a float32
   value, which a Python float and JSON represent exactly).
-* ``flax.serialization``: importing this module registers the three scaler classes, so
-  ``to_state_dict`` / ``to_bytes`` give the leaves by name (``loss_scale``,
-  ``growth_tracker``, ``nonfinite_tracker``) and ``from_state_dict`` / ``from_bytes``
-  restore them into a target, keeping the *target's* configuration and checking the
-  restored values against it.
+* ``flax.serialization``: importing this module registers the three scaler classes.
+  ``to_state_dict`` / ``to_bytes`` store a static or dynamic scaler as one *checked
+  record* (bytes: its values, their shape and a CRC-32; the leaves by name for
+  placeholders); ``from_state_dict`` / ``from_bytes`` restore it into a target, keeping
+  the *target's* configuration and layout: the shapes must be the target's (scalars, or
+  the leading device axes of a ``pmap``-replicated target), the values must be valid for
+  its configuration, a ``StaticLossScale`` factor must be the target's. Why a checksum:
+  a flipped bit of the scale's float32 is usually another valid, in-range scale, which
+  no validation can tell from the saved one; the CRC-32 refuses every corruption of 1 to
+  32 bits and all but 2**-32 of the others. Bytes written before the record (named
+  leaves) still restore, range-checked only. :func:`from_bytes` is
+  ``flax.serialization.from_bytes`` with msgpack's own decoding errors (truncated bytes,
+  a corrupted header) turned into that ``ValueError`` too.
+* :func:`restore_loss_scale`: the loss scale inside an optimizer state or TrainState
+  replaced by a saved :func:`state_dict`, in the layout of the arrays it replaces
+  (unreplicated, ``pmap``-replicated or sharded). ``loss_scaling.orbax_save_args`` /
+  ``loss_scaling.orbax_restore`` (:mod:`loss_scaling.orbax`) do it for Orbax.
 
 A saved state and a freshly configured target can disagree on the configuration (a new
-``growth_interval``, a ``min_scale`` added on resume). Nothing adopts the new settings
-silently: :func:`check_same_config` raises, listing every difference, and
-:func:`restore_with_config` is the explicit way to keep the saved scale and counters under
-the target's configuration.
+``growth_interval``, a ``min_scale`` added on resume, a ``StaticLossScale`` built with
+another factor). Nothing adopts the new settings silently: :func:`check_same_config`
+raises, listing every difference, and :func:`restore_with_config` is the explicit way to
+keep the saved scale and counters under the target's configuration.
+
+A restored state that reaches a step without any of these checks (a hand-made array
+checkpoint) cannot hurt either: a step whose scale is not a positive normal float32
+applies no update and records ``Failure.INVALID_SCALE`` (see :func:`loss_scaling.check`).
 """
 
 from __future__ import annotations
@@ -494,6 +511,8 @@ def check_same_config(saved: LossScale | Mapping[str, Any], target: LossScale) -
 
     The check a restore makes by default before it lets saved values into a freshly
     configured run: a changed setting is an error, never adopted (or dropped) silently.
+    A ``StaticLossScale``'s factor counts as configuration (compared when ``target`` is
+    concrete: an abstract target from ``jax.eval_shape`` has no value to compare).
 
     Args:
       saved: the saved state, as a loss-scale state or a dict from :func:`state_dict`
@@ -517,6 +536,12 @@ def check_same_config(saved: LossScale | Mapping[str, Any], target: LossScale) -
         growth_interval: saved 2000, target 100
         min_scale: saved None, target 1.0
       ...
+      >>> check_same_config(ls.StaticLossScale(128.0), ls.StaticLossScale(1024.0))
+      Traceback (most recent call last):
+      ...
+      ValueError: the saved loss-scale configuration differs from the target's:
+        loss_scale (a StaticLossScale's factor): saved 128.0, target 1024.0
+      ...
     """
     differences = _config_differences(saved, target)
     if differences:
@@ -535,7 +560,9 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
     clamped into the new configuration's range (``growth_tracker`` to at most
     ``growth_interval - 1``, ``nonfinite_tracker`` to at most ``hysteresis``). The scale
     is not clamped: one outside the target's ``[min_scale, max_scale]`` is an error.
-    ``target``'s own values are not used.
+    ``target``'s own values are not used, with one exception: a ``StaticLossScale``'s
+    factor *is* its configuration, so the result has the target's factor (the saved one
+    when the target is abstract, e.g. from ``jax.eval_shape``, and has no value).
 
     Args:
       saved: the saved state, as a loss-scale state or a dict from :func:`state_dict`
@@ -561,6 +588,9 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
       (256.0, 99, 100)
       >>> float(ls.update(s, True).loss_scale)   # the 100th clean step grows
       512.0
+      >>> float(restore_with_config(ls.StaticLossScale(128.0),
+      ...                           ls.StaticLossScale(1024.0)).loss_scale)
+      1024.0
     """
     target_kind = _kind(target)
     kind, _, values = _saved_parts(saved)
@@ -627,8 +657,13 @@ def restore_loss_scale(
         :func:`~loss_scaling.get_loss_scale`).
 
     Returns:
-      A new state of the same structure; only the loss scale's leaves are new (each
-      placed with the sharding of the leaf it replaces).
+      A new state of the same structure; only the loss scale's leaves are new, each in
+      the layout of the leaf it replaces: its shape (the leading device axis of a
+      ``flax.jax_utils.replicate``-d state) and its sharding (``NamedSharding`` or
+      ``pmap``'s, multi-host included: each device's copy comes from this host's value).
+      A ``StaticLossScale`` restored by Orbax already holds the *saved* factor, so the
+      configured one cannot be compared here: :func:`loss_scaling.orbax_restore` with a
+      concrete target compares it.
 
     Raises:
       ValueError: if the configurations differ (unless ``adopt_config``), if ``saved``
