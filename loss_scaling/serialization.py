@@ -604,7 +604,8 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
         # The factor is the static scale's configuration: the target's wins (the saved one
         # when the target is abstract and has none).
         factor = _static_factor(target)
-        return _build(kind, None, values if factor is None else {"loss_scale": factor})
+        return _in_layout(_build(kind, None, values if factor is None
+                                 else {"loss_scale": factor}), target)
     if not isinstance(target, DynamicLossScale):
         return _build(kind, None, values)
     config = target.config
@@ -619,11 +620,19 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
             f"the saved loss_scale ({scale!r}) is above the target's max_scale "
             f"({config.max_scale!r}); raise max_scale or keep the saved configuration."
         )
-    return _build("dynamic", config, {
+    return _in_layout(_build("dynamic", config, {
         "loss_scale": scale,
         "growth_tracker": min(values["growth_tracker"], config.growth_interval - 1),
         "nonfinite_tracker": min(values["nonfinite_tracker"], config.hysteresis),
-    })
+        "failure": values["failure"],   # sticky: a new configuration does not heal a run
+    }), target)
+
+
+def _in_layout(scaler: LossScale, target: LossScale) -> LossScale:
+    """``scaler`` (scalars) in the layout of a concrete ``target`` (replicated, sharded)."""
+    if not all(map(_concrete, jax.tree.leaves(target))):
+        return scaler
+    return jax.tree.map(place_like, scaler, target)
 
 
 # ------------------------------------------------------------- inside optimizer states

@@ -915,3 +915,19 @@ def test_from_bytes_turns_decoding_errors_outside_the_loss_scale_into_value_erro
     assert not isinstance(info.value, ValueError) or "loss-scale" not in str(info.value)
     with pytest.raises(ValueError, match=r"loss-scale state at './opt/scaler'"):
         ls.from_bytes(tree, bad)
+
+
+def test_restore_with_config_keeps_a_failure_and_the_targets_layout():
+    failed = jax.jit(ls.update)(ls.DynamicLossScale(init_scale=TINY), False)
+    assert int(failed.failure) != 0
+    adopted = restore_with_config(failed, ls.DynamicLossScale(init_scale=1.0, min_scale=TINY))
+    assert int(adopted.failure) == int(failed.failure)    # never healed silently
+    with pytest.raises(ls.LossScaleError):
+        ls.check(adopted)
+    replicated = jax.tree.map(lambda x: jnp.stack([x, x]), target())
+    s = restore_with_config(saved_state(), replicated)
+    assert all(leaf.shape == (2,) for leaf in jax.tree.leaves(s))
+    assert s.loss_scale.tolist() == [float(saved_state().loss_scale)] * 2
+    static = restore_with_config(ls.StaticLossScale(8.0), jax.tree.map(
+        lambda x: jnp.stack([x, x]), ls.StaticLossScale(4.0)))
+    assert static.loss_scale.tolist() == [4.0, 4.0]
