@@ -649,6 +649,13 @@ def test_orbax_helpers_refuse_a_stored_scale_the_json_does_not_confirm(tmp_path)
         mngr.wait_until_finished()
         silently = mngr.restore(1, args=ocp.args.StandardRestore(jax.eval_shape(ls_state)))
     assert float(ls.get_loss_scale(silently).loss_scale) == -32768.0   # Orbax alone
+    # ...which cannot hurt: the step's own guard applies no update and records the failure.
+    after = jax.jit(lambda s: s.apply_gradients(grads=jax.tree.map(jnp.ones_like, s.params)))(
+        silently)
+    assert_bit_identical(after.params, silently.params)
+    assert int(ls.metrics(after)["failure"]) == int(ls.Failure.INVALID_SCALE)
+    with pytest.raises(ls.LossScaleError, match="-32768"):
+        ls.check(after)
     # With the helpers the JSON is written from the same state: an invalid scale is
     # refused at save time...
     with pytest.raises(ValueError, match="loss_scale"):
