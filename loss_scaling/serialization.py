@@ -869,11 +869,15 @@ def _expected_shape(target_leaf: Any) -> tuple[int, ...]:
 def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
     """Checks a concrete restored leaf against the target's layout and configuration.
 
-    Placeholders (``None``, ``ShapeDtypeStruct``, tracers) pass through untouched.
-    Anything else must be a numeric array of the target leaf's shape (a ``pmap``-ed
-    state has a leading device axis), checked elementwise.
+    Placeholders (``None``, ``ShapeDtypeStruct``, tracers) pass through untouched into
+    a placeholder target. Anything else must be a numeric array of the target leaf's
+    shape (a ``pmap``-ed state has a leading device axis), checked elementwise.
     """
+    target_leaf = getattr(target, name, None)
     if value is None or isinstance(value, (jax.ShapeDtypeStruct, jax.core.Tracer)):
+        if _concrete(target_leaf):
+            raise _flax_error(f"{name} is {_show(value)}, not a value: the saved state was a "
+                              "placeholder (e.g. from jax.eval_shape).")
         return value
     try:
         array = np.asarray(value)
@@ -884,7 +888,6 @@ def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
         raise _flax_error(
             f"{name} must be {'an integer' if integer else 'a floating'} array, got "
             f"{_show(value)} of dtype {array.dtype}.")
-    target_leaf = getattr(target, name, None)
     expected = _expected_shape(target_leaf)
     if array.shape != expected:
         raise _flax_error(

@@ -931,3 +931,27 @@ def test_restore_with_config_keeps_a_failure_and_the_targets_layout():
     static = restore_with_config(ls.StaticLossScale(8.0), jax.tree.map(
         lambda x: jnp.stack([x, x]), ls.StaticLossScale(4.0)))
     assert static.loss_scale.tolist() == [4.0, 4.0]
+
+
+leaf_junk = (junk | st.binary(max_size=40)
+             | st.builds(np.asarray, st.lists(st.floats(width=32), max_size=3))
+             | st.sampled_from([np.array(5, "datetime64[ns]"), np.array(1.0, dtype=object),
+                                np.zeros((0,), np.int32), np.float16(2.0), np.int8(1)]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(state=leaf_junk | st.fixed_dictionaries(
+    {"loss_scale": leaf_junk, "growth_tracker": leaf_junk, "nonfinite_tracker": leaf_junk},
+    optional={"failure": leaf_junk}))
+def test_flax_restore_of_hostile_state_is_a_valid_state_or_a_value_error(state):
+    try:
+        restored = flax_restore(saved_state(), state)
+    except ValueError as error:
+        assert "'./opt/scaler'" in str(error)
+        return
+    # Accepted: scalars of the right dtypes, valid for the target's configuration.
+    assert isinstance(restored, ls.DynamicLossScale)
+    for leaf, dtype in zip(jax.tree.leaves(restored), (jnp.float32,) + (jnp.int32,) * 3,
+                           strict=True):
+        assert leaf.shape == () and leaf.dtype == dtype
+    ls.from_state_dict(state_dict(restored))   # it is a valid state
