@@ -405,8 +405,9 @@ def _warn_low_precision_state(params: Any, inner_state: Any) -> None:
 
 
 def _underflow_stats(grads: Any, inverse: tree.Reciprocal | None) -> UnderflowStats:
-    """Per leaf: the fractions of exact zeros, and of nonzero entries below float16's
-    smallest normal once unscaled; reductions the compiler fuses with the finite test."""
+    """Per leaf: the fractions of exact zeros (in the scaled gradients, as the backward pass
+    left them), and of nonzero entries below float16's smallest normal once unscaled (in
+    float32); reductions the compiler fuses with the finite test."""
     zero, small, size = [], [], []
     for g in jax.tree.leaves(grads):
         size.append(jnp.size(g) if tree.is_floating(g) else 0)  # weighs the overall fractions
@@ -414,10 +415,10 @@ def _underflow_stats(grads: Any, inverse: tree.Reciprocal | None) -> UnderflowSt
             zero.append(jnp.zeros((), jnp.float32))
             small.append(jnp.zeros((), jnp.float32))
             continue
-        magnitude = jnp.abs(g if inverse is None else tree.unscale_leaf(g, inverse))
-        magnitude = magnitude.astype(jnp.float64 if magnitude.dtype == jnp.float64
-                                     else jnp.float32)
-        zero.append(jnp.mean(magnitude == 0, dtype=jnp.float32))
+        # In the compute dtype, not cast back: a float16 leaf's small values must show.
+        magnitude = jnp.abs(g.astype(tree.compute_dtype(g.dtype)) if inverse is None
+                            else tree.unscale_leaf(g, inverse, cast_back=False))
+        zero.append(jnp.mean(g == 0, dtype=jnp.float32))
         small.append(jnp.mean((magnitude > 0) & (magnitude < _F16_TINY), dtype=jnp.float32))
     if not size:
         empty = jnp.zeros((0,), jnp.float32)

@@ -45,7 +45,7 @@ def _real_dtype(dtype: Any) -> Any:
     return jnp.finfo(dtype).dtype
 
 
-def _compute_dtype(dtype: Any) -> Any:
+def compute_dtype(dtype: Any) -> Any:
     """The real dtype a leaf is (un)scaled in: float64 for 64-bit parts, else float32.
 
     Explicit rather than ``promote_types``, which refuses float8 / float4 types.
@@ -77,7 +77,7 @@ def _scale(factor: jax.Array, tree: Any) -> Any:
         if not is_floating(x):
             return x
         x = jnp.asarray(x)
-        compute = _compute_dtype(x.dtype)
+        compute = compute_dtype(x.dtype)
         return _per_part(x, lambda part: part.astype(compute) * factor.astype(compute))
 
     return jax.tree.map(leaf, tree)
@@ -145,16 +145,16 @@ def reciprocal(scale: jax.Array) -> Reciprocal:
     return Reciprocal(normal, post)
 
 
-def unscale_leaf(x: jax.Array, inverse: Reciprocal) -> jax.Array:
+def unscale_leaf(x: jax.Array, inverse: Reciprocal, cast_back: bool = True) -> jax.Array:
     """One floating leaf times the reciprocal, computed as :func:`unscale` defines it.
 
     Real parts are multiplied in float32 (float64 for 64-bit parts) and cast back to the
-    leaf's dtype; the finite test and the wrapper's unscale share this function, so they
-    agree on every input.
+    leaf's dtype (unless ``cast_back=False``); the finite test and the wrapper's unscale
+    share this function, so they agree on every input.
     """
     x = jnp.asarray(x)
-    dtype = _real_dtype(x.dtype)
-    compute = _compute_dtype(x.dtype)
+    compute = compute_dtype(x.dtype)
+    dtype = _real_dtype(x.dtype) if cast_back else compute
     if compute == jnp.float64:
         # float64 keeps the float32 reciprocal's exact value (normal in float64).
         factor = inverse.normal.astype(compute) * inverse.post.astype(compute)
@@ -280,6 +280,23 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
     return _all_finite_jit(tree, axis_name=axis_name)
 
 
+def _bounded_sum(y: jax.Array) -> jax.Array:
+    """``sum(|y| * 2**-k)``, with ``2**k >= 2 * (entries)``: finite iff every entry is.
+
+    An inf or NaN entry makes the sum inf or NaN, also across devices (a cross-device
+    *max* drops NaN on XLA CPU); and since each term is at most ``max / (2 * entries)``,
+    finite entries can never add up to an overflow. A sum of magnitudes is also the
+    reduction XLA on CPU fuses with its elementwise producers (the unscale) into one
+    read, where a boolean ``all(isfinite(...))`` materializes a mask the size of the leaf.
+    """
+    parts = [jnp.real(y), jnp.imag(y)] if jnp.issubdtype(y.dtype, jnp.complexfloating) else [y]
+    compute = compute_dtype(y.dtype)
+    k = max(1, int(np.ceil(np.log2(2 * max(1, len(parts) * y.size)))))
+    shrink = jnp.asarray(2.0**-k, compute)
+    return sum((jnp.sum(jnp.abs(p.astype(compute)) * shrink, dtype=compute) for p in parts),
+               jnp.zeros((), compute))
+
+
 def unscaled_finite_leaves(
     tree: Any, inverse: Reciprocal | None, axis_name: AxisName = None
 ) -> tuple[jax.Array, jax.Array]:
@@ -288,9 +305,9 @@ def unscaled_finite_leaves(
 
     The test is the definition itself, ``all(isfinite(unscale_leaf(x)))``, read from the
     raw (scaled) values in one fused reduction per leaf: the unscaled tree is never
-    materialized. No sum-based shortcut: a sum can overflow where no element does. The
-    reduction is over booleans, so neither a cross-device reduction under sharded ``jit``
-    nor the ``axis_name`` collective (a ``pmin`` of one int32 per leaf) can drop a NaN.
+    materialized. The reduction is a sum of magnitudes shrunk so that finite entries can
+    never overflow it (:func:`_bounded_sum`): exact, NaN-safe across devices, and fused on
+    CPU. The ``axis_name`` collective is a ``pmin`` of one int32 per leaf.
 
     ``inverse=None`` (no scaling) tests the leaves as they are.
 
@@ -301,7 +318,9 @@ def unscaled_finite_leaves(
     def leaf_finite(x: Any) -> jax.Array:
         if not is_floating(x):
             return jnp.asarray(True)
-        return jnp.isfinite(x if inverse is None else unscale_leaf(x, inverse)).all()
+        x = jnp.asarray(x)
+        y = x if inverse is None else unscale_leaf(x, inverse)
+        return jnp.isfinite(_bounded_sum(y))
 
     flags = [leaf_finite(x) for x in jax.tree.leaves(tree)]
     if not flags:

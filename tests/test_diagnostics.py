@@ -1,0 +1,257 @@
+"""Errors, warnings and diagnostics a user can act on.
+
+* ``tx.init`` warns, naming the leaves, when params are float16 and the inner optimizer
+  keeps its state in their dtype (Adam's eps is 0 there); integer and bool params pass
+  through the wrapper as through optax.
+* ``underflow_diagnostics=True``: per step, per leaf and overall, the fraction of exact
+  zeros and of nonzero entries below float16's smallest normal once unscaled, against a
+  NumPy computation; nothing compiled when off.
+* The mis-use detector: 20 growths in a row without an overflow make
+  ``metrics(...)["scale_suspicious"]`` true and ``ls.check`` warn.
+* Every error names the argument, the value and the fix, eagerly and under ``jit``.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from bitwise import assert_bit_identical, bits
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import loss_scaling as ls
+
+NAN = float("nan")
+MAYBE_JIT = pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+PATHS = pytest.mark.parametrize("path", ["plain", "fused"])
+F16_TINY = float(np.finfo(np.float16).tiny)
+
+
+def make_step(tx, path):
+    def step(grads, opt_state, params, **extra):
+        if path == "fused":
+            return ls.apply_gradients(tx, grads, opt_state, params, **extra)
+        updates, opt_state = tx.update(grads, opt_state, params, **extra)
+        return optax.apply_updates(params, updates), opt_state
+    return step
+
+
+# ------------------------------------------------------------------ float16 params, ints
+
+
+@pytest.mark.parametrize("inner", [optax.adam(1e-3), optax.adamw(1e-3), optax.sgd(0.1, 0.9)],
+                         ids=["adam", "adamw", "sgd_momentum"])
+@pytest.mark.parametrize("trace", ["eager", "eval_shape"])
+def test_float16_params_with_optimizer_state_in_their_dtype_warn_at_init(inner, trace):
+    tx = ls.with_loss_scaling(inner)
+    params = {"dense": {"w": jnp.ones((2, 2), jnp.float16)}, "b": jnp.zeros(2)}
+    init = tx.init if trace == "eager" else functools.partial(jax.eval_shape, tx.init)
+    with pytest.warns(UserWarning, match=r"the params dense\.w are float16 .*Adam's eps=1e-8 "
+                      r"is 0 in float16.*Keep float32 master params"):
+        init(params)
+
+
+def test_float32_params_and_stateless_optimizers_do_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ls.with_loss_scaling(optax.adam(1e-3)).init({"w": jnp.ones(2)})
+        ls.with_loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2, jnp.float16)})
+        ls.with_loss_scaling(optax.adam(1e-3)).init({"w": jnp.ones(2, jnp.bfloat16)})
+
+
+def test_float16_params_really_break_adam_which_is_why_we_warn():
+    params = jnp.ones(4, jnp.float16)
+    inner = optax.adam(1e-3)
+    updates, _ = inner.update(jnp.zeros(4, jnp.float16), inner.init(params), params)
+    assert np.isnan(np.asarray(optax.apply_updates(params, updates), np.float32)).all()
+
+
+@PATHS
+@MAYBE_JIT
+def test_integer_and_bool_params_pass_through_as_in_optax(maybe_jit, path):
+    inner = optax.adam(0.1)
+    tx = ls.with_loss_scaling(inner, ls.StaticLossScale(4.0))
+    params = {"w": jnp.ones(3), "count": jnp.arange(3, dtype=jnp.int32),
+              "mask": jnp.asarray([True, False])}
+    grads = {"w": jnp.full(3, 4.0), "count": jnp.zeros(3, jnp.int32),
+             "mask": jnp.zeros(2, jnp.bool_)}
+    opt_state = tx.init(params)
+    step = maybe_jit(make_step(tx, path))
+    new_params, opt_state = step(grads, opt_state, params)
+    # As optax: the integer and bool params are untouched, the float one steps.
+    want, _ = inner.update({"w": jnp.ones(3), "count": grads["count"], "mask": grads["mask"]},
+                           inner.init(params), params)
+    want = optax.apply_updates(params, want)
+    for name in ("count", "mask"):
+        np.testing.assert_array_equal(new_params[name], params[name])
+        assert new_params[name].dtype == params[name].dtype
+    np.testing.assert_allclose(new_params["w"], want["w"], rtol=1e-6)
+    # A second step with the same state types (no retrace on a dtype drift), and a skip.
+    new_params, opt_state = step(grads, opt_state, new_params)
+    bad = dict(grads, w=jnp.asarray([NAN, 1.0, 1.0]))
+    before = bits(new_params)
+    skipped, opt_state = step(bad, opt_state, new_params)
+    assert_bit_identical(before, skipped)
+
+
+# -------------------------------------------------------------------- underflow stats
+
+
+def numpy_fractions(grads: dict, scale: float) -> tuple[list[float], list[float]]:
+    zero, small = [], []
+    for g in jax.tree.leaves(grads):
+        g = np.asarray(g, np.float64)
+        unscaled = np.abs(g * np.float64(np.float32(1.0 / np.float64(scale))))
+        zero.append(float(np.mean(unscaled == 0)))
+        small.append(float(np.mean((unscaled > 0) & (unscaled < F16_TINY))))
+    return zero, small
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), exponent=st.integers(0, 24))
+def test_underflow_fractions_match_numpy_on_random_gradients(seed, exponent):
+    rng = np.random.default_rng(seed)
+    scale = 2.0**exponent
+    grads = {}
+    for i, n in enumerate(rng.integers(1, 300, size=3)):
+        g = rng.standard_normal(n) * 10.0 ** rng.uniform(-12, 0, n)
+        g[rng.random(n) < 0.2] = 0.0
+        grads[f"leaf{i}"] = jnp.asarray(g * scale, jnp.float32)
+    tx = ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(scale),
+                              underflow_diagnostics=True)
+    params = jax.tree.map(jnp.zeros_like, grads)
+    zero, small = numpy_fractions(grads, scale)
+    sizes = np.asarray([g.size for g in jax.tree.leaves(grads)], np.float64)
+    for step in (make_step(tx, "fused"), jax.jit(make_step(tx, "plain"))):
+        _, opt_state = step(grads, tx.init(params), params)
+        m = ls.metrics(opt_state)
+        np.testing.assert_allclose(m["zero_grad_fraction_per_leaf"], zero, rtol=1e-6)
+        np.testing.assert_allclose(m["small_grad_fraction_per_leaf"], small, rtol=1e-6)
+        np.testing.assert_allclose(m["zero_grad_fraction"], np.dot(zero, sizes) / sizes.sum(),
+                                   rtol=1e-5)
+        np.testing.assert_allclose(m["small_grad_fraction"], np.dot(small, sizes) / sizes.sum(),
+                                   rtol=1e-5)
+
+
+def test_underflow_statistics_show_what_a_larger_scale_recovers():
+    """The same true gradients: float16 compute underflows at scale 1, not at 2**15."""
+    true = jnp.asarray([1e-9, 3e-6, 1e-2, 0.5], jnp.float32)
+    fractions = {}
+    for scale in (1.0, 2.0**15):
+        g16 = (true * scale).astype(jnp.float16)                  # a float16 backward pass
+        tx = ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(scale),
+                                  underflow_diagnostics=True)
+        _, state = tx.update({"w": g16}, tx.init({"w": true}), {"w": true})
+        m = ls.metrics(state)
+        fractions[scale] = (float(m["zero_grad_fraction"]), float(m["small_grad_fraction"]))
+    assert fractions[1.0] == (0.25, 0.25)          # 1e-9 flushed, 3e-6 subnormal in float16
+    assert fractions[2.0**15] == (0.0, 0.25)       # nothing lost; 3e-6 is still small *unscaled*
+
+
+def count_ops(hlo: str) -> collections.Counter:
+    return collections.Counter(re.findall(r"= \S+ (\w[\w-]*)\(", hlo))
+
+
+@PATHS
+def test_nothing_is_compiled_when_the_diagnostics_are_off(path):
+    params = {"a": jnp.ones((8, 8)), "b": jnp.ones(8)}
+
+    def ops(**options):
+        tx = ls.with_loss_scaling(optax.adam(1e-3), **options)
+        step = jax.jit(make_step(tx, path))
+        return count_ops(step.lower(params, tx.init(params), params).compile().as_text())
+
+    off, default, on = ops(underflow_diagnostics=False), ops(), ops(underflow_diagnostics=True)
+    assert off == default
+    assert sum(on.values()) > sum(off.values())
+    assert ls.with_loss_scaling(optax.sgd(1.0)).init(params).underflow is None
+    assert not {k for k in ls.metrics(ls.with_loss_scaling(optax.sgd(1.0)).init(params))
+                if "fraction" in k}
+
+
+# ---------------------------------------------------------------- the mis-use detector
+
+
+@PATHS
+def test_an_unscaled_loss_makes_the_scale_suspicious_and_check_warns(path):
+    """Forgetting ``ls.scale``: the gradients never overflow, the scale climbs forever."""
+    tx = ls.with_loss_scaling(optax.sgd(1e-3), ls.DynamicLossScale(growth_interval=1))
+    params = {"w": jnp.ones(3)}
+    opt_state = tx.init(params)
+    step = jax.jit(make_step(tx, path))
+    grads = {"w": jnp.full(3, 1e-3)}       # the same small gradients at any scale
+    for i in range(ls.SUSPICIOUS_GROWTHS):
+        assert not bool(ls.metrics(opt_state)["scale_suspicious"]), i
+        ls.check(opt_state)                  # no warning yet (filterwarnings = error)
+        params, opt_state = step(grads, opt_state, params)
+    m = ls.metrics(opt_state)
+    assert int(m["clean_growths"]) == ls.SUSPICIOUS_GROWTHS and bool(m["scale_suspicious"])
+    with pytest.warns(ls.LossScaleWarning, match=r"grew 20 times in a row without a single "
+                      r"overflow .*not scaled"):
+        ls.check(opt_state)
+    # One overflow resets it: a scaled loss overflows sooner or later.
+    params, opt_state = step({"w": jnp.asarray([NAN, 0.0, 0.0])}, opt_state, params)
+    assert int(ls.metrics(opt_state)["clean_growths"]) == 0
+    ls.check(opt_state)
+
+
+def test_a_scaled_loss_overflows_and_is_never_suspicious():
+    tx = ls.with_loss_scaling(optax.sgd(1e-3), ls.DynamicLossScale(init_scale=1.0,
+                                                                   growth_interval=1))
+    params = jnp.ones(3)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state):
+        loss_fn = lambda p: jnp.sum((p.astype(jnp.float16) * 1e3) ** 2)  # noqa: E731
+        _, grads = ls.value_and_grad(loss_fn)(opt_state, params)
+        return ls.apply_gradients(tx, grads, opt_state, params)
+
+    for _ in range(60):
+        params, opt_state = step(params, opt_state)
+        assert int(ls.metrics(opt_state)["clean_growths"]) < ls.SUSPICIOUS_GROWTHS
+    assert int(ls.metrics(opt_state)["skipped_steps"]) > 0
+
+
+# ----------------------------------------------------------------------- error messages
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: ls.with_loss_scaling(optax.sgd(1.0), skip="fast"),
+     r"skip must be 'auto', 'cond' or 'select', got 'fast'"),
+    (lambda: ls.with_loss_scaling(optax.sgd(1.0), on_failure="log"),
+     r"on_failure must be 'record' .* got 'log'"),
+    (lambda: ls.with_loss_scaling(optax.sgd(1.0), max_consecutive_skips=0),
+     r"max_consecutive_skips must be an integer in \[1, 2147483647\], got 0"),
+    (lambda: ls.with_loss_scaling(optax.sgd(1.0), nonfinite_loss="ignore"),
+     r"nonfinite_loss must be 'backoff' or 'skip', got 'ignore'"),
+    (lambda: ls.DynamicLossScale(init_scale=-1.0),
+     r"init_scale must be a finite, positive, normal float32 .*got -1\.0"),
+    (lambda: ls.update(ls.DynamicLossScale(), jnp.ones(2, bool)),
+     r"grads_finite must be a scalar bool .*got Array\(\[ True,  True\]"),
+])
+def test_errors_name_the_argument_the_value_and_the_fix(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_the_opt_in_raise_under_jit_is_what_the_docs_quote():
+    """With ``on_failure="raise"`` JAX wraps the error: a ``JaxRuntimeError`` whose text
+    holds ``LossScaleError: <the message>`` (the guide quotes this)."""
+    tx = ls.with_loss_scaling(optax.sgd(1.0), ls.DynamicLossScale(init_scale=2.0**-126),
+                              on_failure="raise")
+    params = jnp.ones(2)
+    step = jax.jit(make_step(tx, "fused"))
+    with pytest.raises(jax.errors.JaxRuntimeError) as info:
+        jax.block_until_ready(step(jnp.asarray([NAN, 0.0]), tx.init(params), params))
+    text = str(info.value)
+    assert "LossScaleError: loss scale backoff failed: the loss scale 1.1754943508222875e-38" \
+        in text
