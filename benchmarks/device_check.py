@@ -2,8 +2,8 @@
 
     python benchmarks/device_check.py
 
-Run on a GPU or TPU host (the CPU test suite covers the rest): the fail-closed error
-from inside a jitted step, subnormal handling of the backoff, and a skipped step's
+Run on a GPU or TPU host (the CPU test suite covers the rest): the fail-closed state of a
+jitted step, subnormal handling of the backoff and of the reciprocal, and a skipped step's
 bit-identity, on the default backend.
 """
 
@@ -20,16 +20,22 @@ import loss_scaling as ls
 def main() -> None:
     print(f"backend={jax.default_backend()} devices={jax.devices()}")
 
-    # 1. A backoff into the subnormal range fails closed under jit (GPUs keep subnormals).
+    # 1. A backoff into the subnormal range fails closed under jit (GPUs keep subnormals):
+    # recorded in the state, raised on the host by ls.check.
     s = ls.DynamicLossScale(init_scale=2.0**-125)
     step = jax.jit(ls.update)
     s = step(s, jnp.array(False))
+    failed = step(s, jnp.array(False))
     try:
-        jax.block_until_ready(step(s, jnp.array(False)))
-        print("fail-closed under jit: NOT RAISED (bug)")
-    except Exception as e:  # noqa: BLE001 - reporting whatever the backend raises
-        print(f"fail-closed under jit: raised {type(e).__name__}, names the loss scale: "
-              f"{'loss scale' in str(e)}")
+        ls.check(failed)
+        print("fail-closed under jit: NOT RECORDED (bug)")
+    except ls.LossScaleError as e:
+        print(f"fail-closed under jit: recorded (failure={int(failed.failure)}), scale kept at "
+              f"{float(failed.loss_scale)!r}, ls.check names it: {'loss scale' in str(e)}")
+
+    # 1b. Unscale above 2**126 (the reciprocal is subnormal) gives the true gradient.
+    one = ls.unscale(ls.StaticLossScale(2.0**127), jnp.float32(2.0**127))
+    print(f"unscale at scale 2**127 of 2**127: {float(one)!r} (want 1.0)")
 
     # 2. Skipped steps leave params bit-identical, -0.0 included, on both paths.
     params = {"w": jnp.array([-0.0, 1.5, -2.0], jnp.float32),

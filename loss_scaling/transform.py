@@ -112,6 +112,7 @@ SUSPICIOUS_GROWTHS = 20
 """Growths in a row without an overflow after which the scale is suspicious (2**20 up)."""
 
 _F16_TINY = float(np.finfo(np.float16).tiny)
+_BELOW_F16_TINY = float(np.nextafter(np.float32(_F16_TINY), np.float32(0)))
 
 LOW_PRECISION_STATE = (
     "with_loss_scaling: the params {leaves} are {dtype} and the wrapped optimizer keeps its "
@@ -418,8 +419,12 @@ def _underflow_stats(grads: Any, inverse: tree.Reciprocal | None) -> UnderflowSt
         # In the compute dtype, not cast back: a float16 leaf's small values must show.
         magnitude = jnp.abs(g.astype(tree.compute_dtype(g.dtype)) if inverse is None
                             else tree.unscale_leaf(g, inverse, cast_back=False))
-        zero.append(jnp.mean(g == 0, dtype=jnp.float32))
-        small.append(jnp.mean((magnitude > 0) & (magnitude < _F16_TINY), dtype=jnp.float32))
+        # Indicators by arithmetic (sign, max), not comparisons: XLA on CPU fuses these into
+        # the reduction, where a boolean mask would be materialized per leaf.
+        nonzero = jnp.sign(jnp.abs(g.astype(magnitude.dtype)))
+        normal16 = jnp.sign(jnp.maximum(magnitude - _BELOW_F16_TINY, 0))  # |y| >= f16 tiny
+        zero.append(jnp.mean(1 - nonzero, dtype=jnp.float32))
+        small.append(jnp.mean(jnp.sign(magnitude) - normal16, dtype=jnp.float32))
     if not size:
         empty = jnp.zeros((0,), jnp.float32)
         return UnderflowStats(empty, empty, jnp.zeros((0,), jnp.int32))

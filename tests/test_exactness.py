@@ -347,17 +347,32 @@ def test_lbfgs_sees_the_unscaled_grad_extra_argument(path):
 
     p_ref, s_ref = params0, inner.init(params0)
     p, s = params0, tx.init(params0)
-    for _ in range(40):
+    for _ in range(80):
         p_ref, s_ref = reference_step(p_ref, s_ref)
         p, s = scaled_step(p, s)
-    # The same trajectory to rounding (XLA fuses the two programs differently, and L-BFGS
-    # amplifies ulps), converged as far; a scaled grad= (1024x the slope) would not be.
-    chex.assert_trees_all_close(p, p_ref, atol=1e-3)
-    assert float(rosenbrock(p)) < 1e-5 and float(rosenbrock(p_ref)) < 1e-5
+    if path == "fused":   # XLA compiles it like the reference: the same bits
+        chex.assert_trees_all_equal(p, p_ref)
+    assert float(rosenbrock(p)) < 1e-6    # (the plain program rounds differently; L-BFGS on
+    # Rosenbrock amplifies ulps along the way, but converges all the same)
     # A non-finite grad= alone skips the step.
     bad = {"value": rosenbrock(p), "grad": jnp.asarray([NAN, 0.0, 0.0]), "value_fn": rosenbrock}
     _, state = tx.update(jax.grad(rosenbrock)(p) * 1024.0, s, p, **bad)
     assert not bool(state.last_step_finite)
+
+
+def test_the_inner_optimizer_receives_grad_unscaled_and_other_extra_args_untouched():
+    def update(updates, state, params=None, grad=None, value=None, **extra):
+        return grad * value, state           # shows what it was given
+
+    spy = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+    tx = ls.with_loss_scaling(spy, ls.StaticLossScale(1024.0))
+    params = jnp.ones(2)
+    grads = jnp.asarray([1024.0, -2048.0])
+    extra = {"grad": grads, "value": jnp.float32(3.0)}       # grad unscaled, value as given
+    updates, _ = tx.update(grads, tx.init(params), params, **extra)
+    np.testing.assert_array_equal(updates, [3.0, -6.0])
+    new_params, _ = ls.apply_gradients(tx, grads, tx.init(params), params, **extra)
+    np.testing.assert_array_equal(new_params, [4.0, -5.0])
 
 
 def test_lookahead_diagnostics_are_sized_and_named_by_the_gradients():
