@@ -58,13 +58,41 @@ def one_replica(scaler: LossScale) -> LossScale:
     return jax.tree.unflatten(treedef, [np.asarray(x) for x in single])
 
 
+def _entry(state: Any, path: str | None) -> Any:
+    """The key of the entry of a dict that holds the loss scale, when ``state`` itself
+    is not searchable as a whole: ``{"model": nnx.state(model), "optimizer":
+    nnx.state(optimizer)}``. None when ``get_loss_scale(state, path)`` finds it."""
+    try:
+        lookup.get_loss_scale(state, path)
+        return None
+    except (ValueError, TypeError) as error:
+        if not isinstance(state, Mapping):
+            raise
+        keys = []
+        for key, value in state.items():
+            try:
+                lookup.get_loss_scale(value, path)
+                keys.append(key)
+            except (ValueError, TypeError):
+                pass
+        if len(keys) != 1:
+            raise error from None
+        return keys[0]
+
+
+def _get(state: Any, key: Any, path: str | None) -> LossScale:
+    return lookup.get_loss_scale(state if key is None else state[key], path)
+
+
 def save_args(state: Any, *, path: str | None = None, **items: Any) -> ocp.args.Composite:
     """The ``args`` for ``CheckpointManager.save``: the state and its loss scale's JSON.
 
     Args:
       state: any pytree holding one loss scale: a flax or ``ls.TrainState``, a
-        ``{"params", "opt_state"}`` dict, an ``nnx.state(optimizer)`` of a
-        ``loss_scaling.nnx.Optimizer``; replicated (``pmap``) or sharded.
+        ``{"params", "opt_state"}`` dict, ``nnx.state(optimizer)`` of a
+        ``loss_scaling.nnx.Optimizer`` or a dict holding it (``{"model":
+        nnx.state(model), "optimizer": nnx.state(optimizer)}``); replicated (``pmap``)
+        or sharded.
       path: which loss scale, when ``state`` holds several (as for
         :func:`loss_scaling.get_loss_scale`).
       **items: more Composite items to save alongside (e.g. a dataset iterator).
@@ -91,7 +119,7 @@ def save_args(state: Any, *, path: str | None = None, **items: Any) -> ocp.args.
       >>> float(ls.get_loss_scale(state["opt_state"]).loss_scale)
       256.0
     """
-    saved = serialization.state_dict(one_replica(lookup.get_loss_scale(state, path)))
+    saved = serialization.state_dict(one_replica(_get(state, _entry(state, path), path)))
     return ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(state),
                                  LOSS_SCALE_ITEM: ocp.args.JsonSave(saved), **items})
 
@@ -153,11 +181,12 @@ def restore(
     saved_scaler = serialization.from_state_dict(saved)  # validated
     # Checked against the target before anything is restored; a concrete target's static
     # factor is compared too (after the restore, the state holds the saved one).
-    new = serialization.resolve(saved, lookup.get_loss_scale(abstract_state, path),
+    key = _entry(abstract_state, path)
+    new = serialization.resolve(saved, _get(abstract_state, key, path),
                                 adopt_config=adopt_config)
     restored = mngr.restore(step, args=ocp.args.Composite(
         **{STATE_ITEM: ocp.args.StandardRestore(abstract_state)}))[STATE_ITEM]
-    arrays = _values(lookup.get_loss_scale(restored, path))
+    arrays = _values(_get(restored, key, path))
     for name, expected in _values(saved_scaler).items():
         got = arrays[name]
         same = got.dtype == expected.dtype and (
@@ -168,4 +197,6 @@ def restore(
                 f"the checkpoint of step {step} is corrupted: its arrays say {name} "
                 f"{serialization._show(got.tolist())}, its loss-scale JSON says "
                 f"{expected.item()!r}. Restore an intact copy.")
-    return serialization.replace_loss_scale(restored, new, path)
+    if key is None:
+        return serialization.replace_loss_scale(restored, new, path)
+    return {**restored, key: serialization.replace_loss_scale(restored[key], new, path)}
