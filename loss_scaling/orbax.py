@@ -50,7 +50,8 @@ def one_replica(scaler: LossScale) -> LossScale:
     for name, leaf in zip(("loss_scale", "growth_tracker", "nonfinite_tracker", "failure"),
                           leaves, strict=False):
         host = serialization._host_array(leaf)
-        if host.shape != () and not (host == host.flat[0]).all():
+        as_bits = host.view(f"u{host.dtype.itemsize}")   # bitwise: a NaN equals itself
+        if host.shape != () and not (as_bits == as_bits.flat[0]).all():
             raise ValueError(
                 f"the replicas of the loss scale disagree: {name} is {host.tolist()}. Replicas "
                 "agree when the wrapper reduces over the devices (axis_name=...).")

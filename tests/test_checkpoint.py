@@ -708,3 +708,20 @@ def test_import_loss_scaling_does_not_import_orbax():
     code = "import sys, loss_scaling; assert 'orbax' not in sys.modules, 'orbax imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
                    env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_orbax_save_args_saves_one_replica_and_refuses_replicas_that_disagree():
+    from loss_scaling.orbax import one_replica
+
+    s = ls.update(ls.DynamicLossScale(init_scale=8.0), True)
+    stacked = jax.tree.map(lambda x: jnp.stack([x, x, x]), s)
+    assert ls.state_dict(one_replica(stacked)) == ls.state_dict(s)
+    drifted = jax.tree.unflatten(jax.tree.structure(stacked), [
+        jnp.array([8.0, 8.0, 4.0]), *jax.tree.leaves(stacked)[1:]])
+    with pytest.raises(ValueError, match=r"replicas of the loss scale disagree: loss_scale is "
+                                         r"\[8.0, 8.0, 4.0\]"):
+        one_replica(drifted)
+    nan = jax.tree.map(lambda x: jnp.stack([x, x]), ls.StaticLossScale(2.0))
+    nan = jax.tree.unflatten(jax.tree.structure(nan), [jnp.array([np.nan, np.nan])])
+    with pytest.raises(ValueError, match="loss_scale"):    # agreeing NaNs: invalid, not drift
+        ls.state_dict(one_replica(nan))
