@@ -73,15 +73,19 @@ __all__ = [
     "with_loss_scaling",
 ]
 
-# Imported on first use: `import loss_scaling` never imports Orbax (an optional dependency).
+# Imported on first use: `import loss_scaling` never imports Orbax, flax.nnx or Equinox.
 _LAZY = {"orbax_save_args": ("loss_scaling.orbax", "save_args"),
          "orbax_restore": ("loss_scaling.orbax", "restore")}
 
 
 def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        import importlib
+    """``loss_scaling.nnx`` / ``loss_scaling.equinox`` and the Orbax helpers, imported on
+    first use."""
+    import importlib
 
+    if name in ("nnx", "equinox"):
+        return importlib.import_module(f"loss_scaling.{name}")
+    if name in _LAZY:
         module, attribute = _LAZY[name]
         return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'loss_scaling' has no attribute {name!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -24,16 +25,69 @@ __all__ = ["check", "get_loss_scale", "metrics", "nonfinite_grad_paths"]
 
 
 def _unwrap_variables(x: Any) -> Any:
-    """Replaces flax.nnx Variables (as found in ``nnx.Optimizer.opt_state``) by values."""
+    """Replaces flax.nnx Variables (as found in ``nnx.Optimizer.opt_state``) by values.
+
+    An ``nnx.State`` (``nnx.state(optimizer)``, the state from ``nnx.split(optimizer)``)
+    holds the wrapper's state as a plain mapping of its fields: it is rebuilt into a
+    :class:`LossScalingState` (see :func:`_from_nnx_state`).
+    """
     try:
         from flax import nnx
     except ImportError:  # pragma: no cover - flax is a dependency
         return x
     if isinstance(x, nnx.Optimizer):
         x = x.opt_state
+    if isinstance(x, nnx.State):
+        x = _from_nnx_state(x)
     # get_value(): flax >= 0.12 deprecates `.value` (a DeprecationWarning on every call).
     return jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, x,
                         is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+# Fields that every wrapper state has leaves for, which identify its mapping in an
+# nnx.State (an empty inner state, a NoOp scaler or disabled underflow statistics have
+# none, so nnx.state drops those keys).
+_ALWAYS_PRESENT = frozenset({"skipped_steps", "consecutive_skips", "last_step_finite",
+                             "nonfinite_loss_steps", "nonfinite_grads"})
+CONFIG_METADATA = "loss_scale_config"  # Variable metadata set by loss_scaling.nnx.Optimizer
+_NO_CONFIG = (
+    "This nnx.State holds the loss scale's values but not its configuration: a plain flax "
+    "nnx.Optimizer does not keep it in its state (build the optimizer with "
+    "`loss_scaling.nnx.Optimizer`, which does).")
+
+
+def _from_nnx_state(node: Any) -> Any:
+    """Nested mappings with every wrapper state's mapping rebuilt as a LossScalingState.
+
+    The scaler's configuration is static (not a leaf), so ``nnx.state`` drops it; a
+    ``loss_scaling.nnx.Optimizer`` keeps it as metadata of the scaler's Variables. From a
+    plain ``nnx.Optimizer``'s state the dynamic scaler is rebuilt with ``config=None``
+    (:func:`get_loss_scale` refuses it; :func:`metrics` reads only values).
+    """
+    if not isinstance(node, Mapping):
+        return node
+    keys = set(node)
+    if _ALWAYS_PRESENT <= keys <= set(LossScalingState._fields):
+        fields = {k: _from_nnx_state(v) for k, v in node.items()}
+        fields["scaler"] = _scaler_from_mapping(node.get("scaler", {}))
+        if isinstance(fields.get("underflow"), Mapping):
+            fields["underflow"] = UnderflowStats(**fields["underflow"])
+        for name in LossScalingState._fields:
+            fields.setdefault(name, {} if name == "inner_state" else None)
+        return LossScalingState(**fields)
+    return {k: _from_nnx_state(v) for k, v in node.items()}
+
+
+def _scaler_from_mapping(node: Any) -> LossScale:
+    names = set(node)
+    if not names:
+        return NoOpLossScale()
+    if names == {"loss_scale"}:
+        return jax.tree.unflatten(jax.tree.structure(StaticLossScale(1.0)), [node["loss_scale"]])
+    metadata: dict[str, Any] = getattr(node.get("loss_scale"), "get_metadata", dict)()
+    config: Any = metadata.get(CONFIG_METADATA)  # None: get_loss_scale refuses it
+    return DynamicLossScale._from_parts(
+        config, tuple(node[name] for name in scalers._DYNAMIC_LEAVES))
 
 
 def _all_loss_scaling_states(opt_state: Any) -> list[tuple[str, LossScalingState]]:
@@ -66,7 +120,9 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
 
     Finds the :func:`with_loss_scaling` state inside ``optax.chain``, ``MultiSteps``,
     ``inject_hyperparams``, ``masked`` / ``multi_transform``, a flax ``TrainState`` (or its
-    ``opt_state``) and a ``flax.nnx.Optimizer`` (or its ``opt_state``).
+    ``opt_state``) and a ``flax.nnx.Optimizer`` (or its ``opt_state``, ``nnx.state`` of it,
+    or the state from ``nnx.split`` of it: for those two, build it as
+    ``loss_scaling.nnx.Optimizer``, which keeps the configuration in the state).
 
     Args:
       opt_state: an optimizer state, TrainState or nnx Optimizer.
@@ -87,7 +143,10 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
       >>> float(ls.get_loss_scale(tx.init(jnp.zeros(3))).loss_scale)
       32768.0
     """
-    return _get_wrapper_state(opt_state, path).scaler
+    scaler = _get_wrapper_state(opt_state, path).scaler
+    if isinstance(scaler, DynamicLossScale) and scaler.config is None:
+        raise ValueError(f"{_NO_CONFIG} Pass the optimizer itself instead.")
+    return scaler
 
 
 def _get_wrapper_state(opt_state: Any, path: str | None) -> LossScalingState:
@@ -297,8 +356,16 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
     failure, growths = (_host(x) for x in (wrapper.failure, wrapper.clean_growths))
     if np.any(failure != _errors.Failure.NONE):
         names = None if params is None else leaf_names(params)
-        raise _errors.LossScaleError(
-            failure_message(_first_failing(wrapper, failure), names))
+        failed = _first_failing(wrapper, failure)
+        scaler = failed.scaler
+        if isinstance(scaler, DynamicLossScale) and scaler.config is None:
+            # A plain nnx.Optimizer's nnx.State: no config for the full message.
+            code = _errors.Failure(int(np.asarray(failed.failure)))
+            raise _errors.LossScaleError(
+                f"the run has failed ({code.name}, loss scale "
+                f"{float(np.asarray(scaler.loss_scale))!r}). {_NO_CONFIG} For the full "
+                "message, call check on the optimizer.")
+        raise _errors.LossScaleError(failure_message(failed, names))
     if np.any(growths >= SUSPICIOUS_GROWTHS):
         now = float(_host(jnp.asarray(wrapper.scaler.loss_scale)).reshape(-1)[0])
         warnings.warn(_errors.SUSPICIOUS_SCALE.format(growths=int(np.max(growths)),

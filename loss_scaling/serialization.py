@@ -657,8 +657,9 @@ def restore_loss_scale(
 
     Args:
       state: an optax state holding one :func:`~loss_scaling.with_loss_scaling` state
-        (however nested), or a flax ``TrainState``; typically just restored from an
-        array checkpoint into the freshly built optimizer's abstract state.
+        (however nested), a flax ``TrainState``, an ``nnx.Optimizer`` or an ``nnx.State``
+        of one; typically just restored from an array checkpoint into the freshly built
+        optimizer's abstract state.
       saved: the saved loss scale: a dict from :func:`state_dict` (validated) or a
         loss-scale state.
       adopt_config: keep ``state``'s configuration instead of requiring the saved one.
@@ -678,8 +679,12 @@ def restore_loss_scale(
       ValueError: if the configurations differ (unless ``adopt_config``), if ``saved``
         is invalid or of another kind, or if ``state`` holds no loss scale (or several
         and ``path`` picks none).
-      TypeError: for a ``flax.nnx`` optimizer (its state is mutable: assign the result
-        of :func:`restore_with_config` to its variables instead).
+
+    A ``flax.nnx`` optimizer is mutable: its loss-scale variables are set in place and
+    the optimizer itself is returned. An ``nnx.State`` of one (``nnx.state(optimizer)``,
+    or the state from ``nnx.split``, e.g. as Orbax restored it) is not modified: a new
+    ``nnx.State`` is returned, to pass on to ``nnx.update(optimizer, state)``. Its
+    configuration comes from the metadata that ``loss_scaling.nnx.Optimizer`` keeps.
 
     Examples:
       >>> import json, jax.numpy as jnp, optax
@@ -699,18 +704,6 @@ def restore_loss_scale(
       >>> float(s.loss_scale), int(s.growth_tracker), s.growth_interval
       (256.0, 1, 100)
     """
-    from flax import nnx  # imported here, as in transform: nnx is slow to import
-
-    def is_variable(x: Any) -> bool:
-        return isinstance(x, nnx.Variable)
-
-    if isinstance(state, nnx.Optimizer) or any(
-            map(is_variable, jax.tree.leaves(state, is_leaf=is_variable))):
-        raise TypeError(
-            "restore_loss_scale takes an optax state or a flax TrainState, not a flax.nnx "
-            "optimizer or its variables: compute the scaler with "
-            "`restore_with_config(saved, ls.get_loss_scale(optimizer))` (after "
-            "`check_same_config`) and assign its leaves to the optimizer's variables.")
     import loss_scaling  # for get_loss_scale, whichever module defines it
 
     target = loss_scaling.get_loss_scale(state, path)  # clear errors for none or several
@@ -730,8 +723,16 @@ def resolve(saved: LossScale | Mapping[str, Any], target: LossScale, *,
 def replace_loss_scale(state: Any, new: LossScale, path: str | None = None) -> Any:
     """``state`` with the loss scale ``get_loss_scale(state, path)`` picks replaced by
     ``new`` (a scalar state), placed in the layout of the leaves it replaces."""
+    from flax import nnx  # imported here, as in transform: nnx is slow to import
+
     import loss_scaling
 
+    def is_variable(x: Any) -> bool:
+        return isinstance(x, nnx.Variable)
+
+    if isinstance(state, nnx.Optimizer) or any(
+            map(is_variable, jax.tree.leaves(state, is_leaf=is_variable))):
+        return _replace_nnx(state, new, path)
     target = loss_scaling.get_loss_scale(state, path)
     target_leaves = jax.tree.leaves(target)
     if not target_leaves:  # a NoOpLossScale: nothing to restore
@@ -773,6 +774,34 @@ def place_like(value: Any, like: Any) -> Any:
     if sharding is None or isinstance(like, jax.core.Tracer):
         return jnp.asarray(host)
     return jax.make_array_from_callback(shape, sharding, lambda index: host[index])
+
+
+def _replace_nnx(state: Any, new: LossScale, path: str | None) -> Any:
+    """:func:`replace_loss_scale` for an ``nnx.Optimizer`` (in place) or an ``nnx.State``."""
+    from flax import nnx
+
+    import loss_scaling
+
+    target = loss_scaling.get_loss_scale(state, path)  # clear errors for none or several
+    # get_loss_scale returns the values the Variables hold: they identify the Variables.
+    holder = state.opt_state if isinstance(state, nnx.Optimizer) else state
+    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    variables = jax.tree.leaves(holder, is_leaf=is_variable)
+    replace = {}
+    for old_leaf, new_leaf in zip(jax.tree.leaves(target), jax.tree.leaves(new), strict=True):
+        owners = [v for v in variables if is_variable(v) and v.get_value() is old_leaf]
+        if len(owners) != 1:
+            raise ValueError(
+                f"restore_loss_scale found {len(owners)} nnx Variables holding one loss-scale "
+                "array; it replaces exactly one: give each loss scale its own arrays.")
+        replace[id(owners[0])] = place_like(new_leaf, old_leaf)
+    if isinstance(state, nnx.Optimizer):
+        for v in variables:
+            if id(v) in replace:
+                v.set_value(replace[id(v)])
+        return state
+    return jax.tree.map(lambda v: v.replace(replace[id(v)]) if id(v) in replace else v,
+                        state, is_leaf=is_variable)
 
 
 # ------------------------------------------------------------------ flax.serialization

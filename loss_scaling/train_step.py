@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,56 @@ from loss_scaling.lookup import get_loss_scale
 from loss_scaling.transform import SCALER_TYPES, apply_gradients
 
 __all__ = ["TrainState", "value_and_grad"]
+
+WRONG_FIRST_ARGUMENT = (
+    "The function returned by `loss_scaling.value_and_grad(loss_fn)` takes the loss scale "
+    "first, then loss_fn's arguments: `ls.value_and_grad(loss_fn)(optimizer, model, *args)` "
+    "for flax nnx (the nnx.Optimizer or ls.nnx.Optimizer built with "
+    "`ls.with_loss_scaling(...)`), `(state, state.params, *args)` for a TrainState, "
+    "`(opt_state, params, *args)` for optax, or a loss-scale state first. Got {what} as the "
+    "first argument{hint}."
+)
+
+
+def describe(x: Any) -> str:
+    """``x``'s type, for error messages."""
+    return f"an object of type {type(x).__module__}.{type(x).__qualname__}"
+
+
+def scaler_of_state(state: Any) -> Any:
+    """The loss scale that ``state`` holds, or an error saying what the first argument is."""
+    if isinstance(state, SCALER_TYPES):
+        return state
+    if isinstance(state, jax.Array):
+        raise TypeError(WRONG_FIRST_ARGUMENT.format(
+            what=describe(state), hint=" (an array: did you forget the loss scale?)"))
+    try:
+        return get_loss_scale(state)
+    except ValueError as e:
+        if not str(e).startswith("No loss scale found"):
+            raise  # several loss scales: that message already says what to do
+        raise ValueError(WRONG_FIRST_ARGUMENT.format(
+            what=describe(state), hint=f", which holds no loss scale ({e})")) from None
+
+
+def _framework(state: Any, args: tuple[Any, ...], kwargs: Any,
+               argnums: int | tuple[int, ...]) -> str | None:
+    """``"nnx"`` or ``"equinox"`` when the arguments hold that framework's modules.
+
+    Looks only at frameworks already imported: a module of one cannot exist otherwise.
+    """
+    if "flax.nnx" in sys.modules:
+        from loss_scaling import nnx as ls_nnx
+
+        if ls_nnx.contains_graph_nodes((state, args, kwargs)):
+            return "nnx"
+    if "equinox" in sys.modules:
+        from loss_scaling import equinox as ls_eqx
+
+        nums = (argnums,) if isinstance(argnums, int) else argnums
+        if ls_eqx.contains_modules([args[i] for i in nums if i < len(args)]):
+            return "equinox"
+    return None
 
 
 def value_and_grad(
@@ -28,6 +79,14 @@ def value_and_grad(
     gradients, ready for ``tx.update`` / :func:`apply_gradients`. Pass the loss on
     (``loss=loss``) so that a non-finite loss is told apart from an overflow.
 
+    Framework modules get their framework's semantics: when an argument is a flax
+    ``nnx`` Module, this is :func:`loss_scaling.nnx.value_and_grad` (``nnx.value_and_grad``:
+    only the optimizer's ``wrt`` variables are differentiated; RNG streams, BatchNorm
+    statistics and other variables are updated in place); when a differentiated argument
+    is an ``equinox.Module``, :func:`loss_scaling.equinox.filter_value_and_grad`
+    (``eqx.filter_value_and_grad``: the floating-point arrays are differentiated, other
+    leaves get ``None``). Plain pytrees get ``jax.value_and_grad``.
+
     Args:
       fun: the loss function; returns a scalar loss (or ``(loss, aux)``).
       argnums: as in ``jax.value_and_grad``, counted over ``fun``'s arguments.
@@ -35,6 +94,10 @@ def value_and_grad(
 
     Returns:
       ``f(state, *args, **kwargs) -> (loss, grads)`` or ``((loss, aux), grads)``.
+
+    Raises:
+      TypeError / ValueError: at call time, when the first argument is not (and does not
+        hold) a loss scale: e.g. the model passed first, or the optimizer forgotten.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -46,7 +109,16 @@ def value_and_grad(
     """
 
     def wrapped(state: Any, *args: Any, **kwargs: Any) -> Any:
-        scaler = state if isinstance(state, SCALER_TYPES) else get_loss_scale(state)
+        framework = _framework(state, args, kwargs, argnums)
+        if framework == "nnx":
+            from loss_scaling import nnx as ls_nnx
+
+            return ls_nnx.value_and_grad(fun, argnums, has_aux)(state, *args, **kwargs)
+        if framework == "equinox":
+            from loss_scaling import equinox as ls_eqx
+
+            return ls_eqx.filter_value_and_grad(fun, argnums, has_aux)(state, *args, **kwargs)
+        scaler = scaler_of_state(state)
 
         def scaled(*args: Any, **kwargs: Any) -> Any:
             out = fun(*args, **kwargs)

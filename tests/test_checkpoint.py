@@ -725,3 +725,83 @@ def test_orbax_save_args_saves_one_replica_and_refuses_replicas_that_disagree():
     nan = jax.tree.unflatten(jax.tree.structure(nan), [jnp.array([np.nan, np.nan])])
     with pytest.raises(ValueError, match="loss_scale"):    # agreeing NaNs: invalid, not drift
         ls.state_dict(one_replica(nan))
+
+
+# --------------------------------------------------------------------------------- nnx
+
+
+def nnx_run(steps, model=None, optimizer=None, start=0):
+    """A float16 nnx MLP with BatchNorm, trained with ls.nnx.Optimizer; overflows injected."""
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(4, 8, rngs=rngs, param_dtype=jnp.float32)
+            self.bn = nnx.BatchNorm(8, rngs=rngs)
+            self.l2 = nnx.Linear(8, 1, rngs=rngs)
+
+        def __call__(self, x):
+            h = jax.nn.relu(self.bn(self.l1(x.astype(jnp.float16)).astype(jnp.float32)))
+            return self.l2(h)
+
+    if model is None:
+        model = MLP(nnx.Rngs(0))
+        tx = ls.with_loss_scaling(optax.adam(1e-2), ls.DynamicLossScale(
+            init_scale=2.0**12, growth_interval=3, hysteresis=2))
+        optimizer = ls.nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(optimizer, model, x, y, poison):
+        def loss_fn(model, x, y, poison):
+            return jnp.mean((model(x) - y) ** 2) * poison
+
+        _, grads = ls.value_and_grad(loss_fn)(optimizer, model, x, y, poison)
+        optimizer.update(model, grads)
+
+    data = batches()
+    for t in range(start, steps):
+        x, y, poison = data[t]
+        step(optimizer, model, x, y, poison)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("abstract", [False, True], ids=["fresh", "eval_shape"])
+def test_nnx_resume_through_the_orbax_helpers_is_bit_identical(abstract, tmp_path):
+    from flax import nnx
+
+    model, optimizer = nnx_run(N_STEPS)                 # uninterrupted
+    m1, o1 = nnx_run(RESUME_AT)
+    assert int(ls.metrics(o1)["skipped_steps"]) >= 3
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        mngr.save(RESUME_AT, args=ls.orbax_save_args(
+            {"model": nnx.state(m1), "optimizer": nnx.state(o1)}))
+        mngr.wait_until_finished()
+        m2, o2 = nnx_run(0)                              # a fresh run, rebuilt
+        target = {"model": nnx.state(m2), "optimizer": nnx.state(o2)}
+        if abstract:
+            target = jax.eval_shape(lambda: target)
+        restored = ls.orbax_restore(mngr, target)
+    nnx.update(m2, restored["model"])
+    nnx.update(o2, restored["optimizer"])
+    assert ls.state_dict(ls.get_loss_scale(o2)) == ls.state_dict(ls.get_loss_scale(o1))
+    nnx_run(N_STEPS, m2, o2, start=RESUME_AT)
+    assert_bit_identical(jax.tree.leaves(nnx.state(m2)), jax.tree.leaves(nnx.state(model)))
+    assert_bit_identical(jax.tree.leaves(nnx.state(o2)), jax.tree.leaves(nnx.state(optimizer)))
+
+
+def test_nnx_helpers_refuse_a_changed_config(tmp_path):
+    from flax import nnx
+
+    m1, o1 = nnx_run(RESUME_AT)
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        mngr.save(0, args=ls.orbax_save_args(nnx.state(o1)))
+        mngr.wait_until_finished()
+        other = ls.nnx.Optimizer(m1, ls.with_loss_scaling(optax.adam(1e-2), ls.DynamicLossScale(
+            init_scale=2.0**12, growth_interval=7, hysteresis=2)), wrt=nnx.Param)
+        with pytest.raises(ValueError, match="growth_interval: saved 3, target 7"):
+            ls.orbax_restore(mngr, nnx.state(other))
+        adopted = ls.orbax_restore(mngr, nnx.state(other), adopt_config=True)
+    nnx.update(other, adopted)
+    s = ls.get_loss_scale(other)
+    assert s.growth_interval == 7
+    assert float(s.loss_scale) == float(ls.get_loss_scale(o1).loss_scale)

@@ -194,6 +194,8 @@ def changed(before_bits, tree):
     return any(not np.array_equal(a, b) for a, b in zip(before_bits, bits(tree), strict=True))
 
 
+@pytest.mark.filterwarnings(  # float16 params on purpose; the warning: test_diagnostics.py
+    r"ignore:with_loss_scaling. the params .* are float16:UserWarning")
 def test_ls_train_state_fused_matches_flax_train_state_plain_and_skips_exactly():
     # float16 params: sgd with momentum, not adam, whose eps=1e-8 is 0 in float16 (a tiny
     # second moment then gives an inf update from finite gradients; see the README).

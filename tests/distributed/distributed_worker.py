@@ -533,18 +533,20 @@ def all_finite_scenarios() -> dict:
     return out
 
 
-def collectives(jaxpr: Any) -> list[str]:
-    """Names of the collective primitives in a jaxpr, nested jaxprs included."""
+def collectives(jaxpr: Any, within: str = "") -> list[str]:
+    """Names of the collective primitives in a jaxpr, nested jaxprs included; one inside a
+    conditional is named ``"cond/<name>"`` (it runs only when its branch is taken)."""
     names = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in ("pmin", "pmax", "psum", "psum_invariant", "all_gather",
                                   "ppermute", "all_to_all", "reduce_scatter"):
-            names.append(eqn.primitive.name)
+            names.append(within + eqn.primitive.name)
+        nested = "cond/" if eqn.primitive.name == "cond" else within
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    names.extend(collectives(inner))
+                    names.extend(collectives(inner, nested))
     return names
 
 

@@ -1,0 +1,222 @@
+"""flax ``nnx`` integration: gradients of the scaled loss, and a fused ``nnx.Optimizer``.
+
+Reached as ``loss_scaling.nnx`` (imported on first use, so ``import loss_scaling`` does not
+import ``flax.nnx``). Two pieces:
+
+* :func:`value_and_grad` (also what ``loss_scaling.value_and_grad`` runs when an argument
+  is an ``nnx`` Module): ``nnx.value_and_grad`` of the scaled loss. It differentiates only
+  the optimizer's ``wrt`` filter (``nnx.Param`` when the loss scale does not come from an
+  ``nnx.Optimizer``) and threads everything else exactly as ``nnx.value_and_grad`` does:
+  BatchNorm statistics, Dropout's ``Rngs`` streams and any other mutable ``nnx.Variable``
+  are updated in place by the forward pass.
+* :class:`Optimizer`: a ``flax.nnx.Optimizer`` whose ``update`` runs the inner update and
+  its application to the model under one skip decision
+  (:func:`loss_scaling.apply_gradients`), the fused step.
+
+A skipped step leaves the parameters and the optimizer state bit-identical, but *keeps*
+what the forward pass wrote into the model's other variables (BatchNorm's running
+statistics, the Dropout RNG counts): that pass was computed and is as valid as in an
+unscaled run, and an overflow is a property of the scaled backward pass only. Exactly as
+with ``nnx.value_and_grad`` and a step that the user chose not to apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from loss_scaling import tree
+from loss_scaling.lookup import CONFIG_METADATA
+from loss_scaling.scalers import DynamicLossScale
+from loss_scaling.train_step import WRONG_FIRST_ARGUMENT, describe, scaler_of_state
+from loss_scaling.transform import LossScalingState, apply_gradients
+
+__all__ = ["Optimizer", "value_and_grad"]
+
+def is_graph_node(x: Any) -> bool:
+    """Whether ``x`` is an ``nnx`` graph node (a Module, an Optimizer) or Variable."""
+    return isinstance(x, nnx.Variable) or nnx.graph.is_graph_node(x)
+
+
+def contains_graph_nodes(tree: Any) -> bool:
+    """Whether any part of ``tree`` is an ``nnx`` graph node or Variable."""
+    return any(map(is_graph_node, jax.tree.leaves(tree, is_leaf=is_graph_node)))
+
+
+def scaler_of(state: Any) -> Any:
+    """The loss scale held by ``state``, or an error saying what the first argument must be."""
+    if nnx.graph.is_graph_node(state) and not isinstance(state, nnx.Optimizer):
+        raise TypeError(WRONG_FIRST_ARGUMENT.format(
+            what=describe(state),
+            hint=" (an nnx graph node that is not an optimizer: did you pass the model "
+                 "first, or forget the optimizer?)"))
+    if isinstance(state, nnx.Variable):
+        raise TypeError(WRONG_FIRST_ARGUMENT.format(
+            what=describe(state), hint=" (a Variable: did you forget the optimizer?)"))
+    return scaler_of_state(state)
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    wrt: Any = None,
+) -> Callable[..., Any]:
+    """``nnx.value_and_grad`` of the scaled loss: unscaled loss (and aux), scaled grads.
+
+    The returned function takes the loss scale's holder first (an ``nnx.Optimizer``
+    built with :func:`~loss_scaling.with_loss_scaling`, or anything
+    :func:`~loss_scaling.get_loss_scale` accepts, or a loss-scale state), then ``fun``'s
+    arguments. Module arguments at ``argnums`` are differentiated with respect to
+    ``wrt``: by default the optimizer's own ``wrt`` filter when the first argument is an
+    ``nnx.Optimizer``, else ``nnx.Param``. All other state of every Module argument (RNG
+    streams, BatchNorm statistics, counters) is updated in place as the forward pass
+    left it, as ``nnx.value_and_grad`` does. ``loss_scaling.value_and_grad`` calls this
+    whenever an argument is an ``nnx`` graph node.
+
+    Args:
+      fun: the loss function; returns a scalar loss (or ``(loss, aux)``).
+      argnums: which of ``fun``'s arguments to differentiate, as in ``nnx.value_and_grad``.
+      has_aux: as in ``nnx.value_and_grad``.
+      wrt: an ``nnx`` filter overriding the default described above.
+
+    Returns:
+      ``f(optimizer, *args, **kwargs) -> (loss, grads)`` or ``((loss, aux), grads)``, the
+      grads as ``nnx.value_and_grad`` returns them (an ``nnx.State`` per Module argument)
+      and scaled by the current loss scale.
+
+    Raises:
+      TypeError: at call time, if the first argument is a Module or an array (the loss
+        scale's holder must come first); ValueError if it holds no loss scale.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> import loss_scaling as ls
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> tx = ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(8.0))
+      >>> optimizer = ls.nnx.Optimizer(model, tx, wrt=nnx.Param)
+      >>> loss_fn = lambda model, x: jnp.sum(model(x) ** 2)
+      >>> x = jnp.ones((1, 2))
+      >>> loss, grads = ls.value_and_grad(loss_fn)(optimizer, model, x)
+      >>> _, true_grads = nnx.value_and_grad(loss_fn)(model, x)
+      >>> bool(jnp.all(grads["kernel"][...] == 8 * true_grads["kernel"][...]))
+      True
+      >>> ls.value_and_grad(loss_fn)(model, optimizer, x)
+      Traceback (most recent call last):
+      ...
+      TypeError: The function returned by `loss_scaling.value_and_grad(loss_fn)` takes ...
+    """
+    argnum_tuple = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+    def wrapped(state: Any, *args: Any, **kwargs: Any) -> Any:
+        scaler = scaler_of(state)
+        if wrt is not None:
+            filter_ = wrt
+        elif isinstance(state, nnx.Optimizer):
+            filter_ = state.wrt
+        else:
+            filter_ = nnx.Param
+        for i in argnum_tuple:
+            if i >= len(args):
+                raise TypeError(
+                    f"argnums={argnums!r} names argument {i} of loss_fn, but only {len(args)} "
+                    "were given after the loss scale: call "
+                    "`ls.value_and_grad(loss_fn)(optimizer, model, *args)`.")
+        nnx_argnums = tuple(
+            nnx.DiffState(i, filter_) if is_graph_node(args[i]) else i for i in argnum_tuple)
+
+        def scaled(*args: Any, **kwargs: Any) -> Any:
+            out = fun(*args, **kwargs)
+            loss, aux = out if has_aux else (out, None)
+            return tree.scale(scaler, loss), (loss, aux)
+
+        grad_fn = nnx.value_and_grad(
+            scaled, argnums=nnx_argnums[0] if isinstance(argnums, int) else nnx_argnums,
+            has_aux=True)
+        (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+        return ((loss, aux), grads) if has_aux else (loss, grads)
+
+    return wrapped
+
+
+class Optimizer(nnx.Optimizer):
+    """``flax.nnx.Optimizer`` with the fused loss-scaled step.
+
+    Build it with ``tx=with_loss_scaling(...)`` and pass the gradients of the *scaled*
+    loss (from :func:`loss_scaling.value_and_grad`). ``update`` runs the inner update and
+    its application to the model under one skip decision
+    (:func:`loss_scaling.apply_gradients`), so the updates are never materialized: the
+    cheapest step. A skipped step leaves the ``wrt`` variables and ``opt_state``
+    bit-identical; ``step`` counts every call, skipped ones included
+    (``loss_scaling.metrics(optimizer)`` counts the skips). With any other ``tx`` it is a
+    plain ``nnx.Optimizer``.
+
+    The loss scale's configuration is also stored as metadata of its variables, so that
+    :func:`loss_scaling.get_loss_scale`, :func:`loss_scaling.metrics` and
+    :func:`loss_scaling.restore_loss_scale` work on ``nnx.state(optimizer)`` and on the
+    state from ``nnx.split(optimizer)`` (an Orbax checkpoint's restore target) as well as
+    on the optimizer.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> import loss_scaling as ls
+      >>> model = nnx.Linear(2, 1, use_bias=False, rngs=nnx.Rngs(0))
+      >>> tx = ls.with_loss_scaling(optax.sgd(0.5), ls.DynamicLossScale(init_scale=4.0))
+      >>> optimizer = ls.nnx.Optimizer(model, tx, wrt=nnx.Param)
+      >>> loss, grads = ls.value_and_grad(lambda m: jnp.sum(m.kernel[...]))(optimizer, model)
+      >>> before = model.kernel[...]
+      >>> optimizer.update(model, grads)                     # grads are scaled by 4
+      >>> bool(jnp.all(model.kernel[...] == before - 0.5)), int(optimizer.step)
+      (True, 1)
+      >>> bad = jax.tree.map(lambda g: g * jnp.inf, grads)
+      >>> optimizer.update(model, bad)                       # skipped, scale backed off
+      >>> bool(jnp.all(model.kernel[...] == before - 0.5))
+      True
+      >>> float(ls.get_loss_scale(optimizer).loss_scale)
+      2.0
+    """
+
+    def __init__(self, model: Any, tx: Any, *, wrt: Any, graph: bool | None = None) -> None:
+        super().__init__(model, tx, wrt=wrt, graph=graph)
+        for _, state in _wrapper_states(self.opt_state):
+            scaler = state.scaler
+            if isinstance(scaler, DynamicLossScale):
+                for leaf in jax.tree.leaves(scaler, is_leaf=is_graph_node):
+                    leaf.set_metadata(**{CONFIG_METADATA: scaler.config})
+
+    def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:
+        """Applies the scaled ``grads`` to ``model``, or skips the step if they are not finite.
+
+        Args:
+          model: the Module the optimizer was built for.
+          grads: gradients of the scaled loss (``loss_scaling.value_and_grad``).
+          **kwargs: forwarded to the inner update; ``loss=`` is also checked (see
+            ``nonfinite_loss`` in :func:`loss_scaling.with_loss_scaling`).
+
+        Returns:
+          None: unlike ``nnx.Optimizer.update``, the updates never leave the skip
+          decision (that is what makes the step cheap).
+        """
+        param_arrays = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+        grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
+        opt_state_arrays = nnx.as_pure(self.opt_state)
+        kwargs_arrays = nnx.as_pure(kwargs)
+        new_params, new_opt_state = apply_gradients(
+            self.tx, grad_arrays, opt_state_arrays, param_arrays, **kwargs_arrays)
+        nnx.update(model, new_params)
+        nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
+        self.step[...] += 1
+
+
+def _wrapper_states(opt_state: Any) -> list[tuple[Any, LossScalingState]]:
+    import optax
+
+    return optax.tree_utils.tree_get_all_with_path(
+        opt_state, LossScalingState.__name__,
+        filtering=lambda _, value: isinstance(value, LossScalingState))
