@@ -884,9 +884,12 @@ def _flax_to_state_dict(scaler: LossScale) -> Any:
     return {name: getattr(scaler, name) for name in _FLAX_LEAVES[type(scaler)]}
 
 
+_FLAX_ERROR = "cannot restore the loss-scale state at "
+
+
 def _flax_error(message: str) -> ValueError:
     path = flax.serialization.current_path()
-    return ValueError(f"cannot restore the loss-scale state at {path!r}: {message}")
+    return ValueError(f"{_FLAX_ERROR}{path!r}: {message}")
 
 
 def _expected_shape(target_leaf: Any) -> tuple[int, ...]:
@@ -964,10 +967,10 @@ def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
 def _flax_from_state_dict(target: LossScale, state: Any) -> LossScale:
     try:
         return _flax_restore(target, state)
-    except ValueError:
-        raise
     except Exception as error:  # hostile state: still a ValueError that names the path
-        raise _flax_error(f"{type(error).__name__}: {error}") from None
+        if isinstance(error, ValueError) and str(error).startswith(_FLAX_ERROR):
+            raise
+        raise _flax_error(f"{type(error).__name__}: {_show(str(error))}") from None
 
 
 def _flax_restore(target: LossScale, state: Any) -> LossScale:
@@ -1044,7 +1047,7 @@ def from_bytes(target: Any, encoded: bytes) -> Any:
     try:
         return flax.serialization.from_state_dict(target, state)
     except ValueError as error:
-        if str(error).startswith("cannot restore the loss-scale state at "):
+        if str(error).startswith(_FLAX_ERROR):
             raise  # ours, naming the field
         raise ValueError(f"cannot restore {where}: the decoded bytes do not match the "
                          f"target's structure ({error}).") from None
