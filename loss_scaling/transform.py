@@ -467,29 +467,34 @@ def _finite_leaves(grads: Any, inverse: tree.Reciprocal | None,
 
     On XLA CPU a plain sum is a vectorized read, while any reduction with an elementwise
     producer (the unscale, ``abs``) runs about three times slower (benchmarks/
-    step_breakdown.py). So the CPU step first screens with ``sum(g)`` per leaf: a finite
+    step_breakdown.py). So the CPU step first screens each leaf with ``sum(g)``: a finite
     sum proves every entry finite, and with a scale of at least 1 (a reciprocal of at most
     1) unscaling a finite entry cannot overflow, also not when cast back to a narrow dtype.
-    Only when the screen fails (an overflow, which is then skipped anyway, a sum that
-    overflowed, or a scale below 1) does the exact test run, under a conditional. Other
-    backends run the exact test directly: a conditional can cost them a host round trip.
+    Only a leaf the screen does not clear (an inf or NaN, which is then skipped anyway, a
+    sum that overflowed, or any leaf at a scale below 1) runs the exact test, under a
+    conditional. Other backends run the exact test directly: a conditional can cost them
+    a host round trip.
     """
-    def exact(_: Any) -> tuple[jax.Array, jax.Array]:
+    leaves = jax.tree.leaves(grads)
+    if jax.default_backend() != "cpu" or not any(tree.is_floating(g) for g in leaves):
         return tree.unscaled_finite_leaves(grads, inverse, axis_name)
-
-    floating = [g for g in jax.tree.leaves(grads) if tree.is_floating(g)]
-    if jax.default_backend() != "cpu" or not floating:
-        return exact(None)
-    sums = [jnp.sum(g, dtype=tree.compute_dtype(g.dtype) if not jnp.issubdtype(
-        g.dtype, jnp.complexfloating) else g.dtype) for g in floating]
-    screened = jnp.stack([jnp.isfinite(total) for total in sums]).all()
+    small_reciprocal = jnp.asarray(True)
     if inverse is not None:
-        screened &= (inverse.normal <= 1) | (inverse.post < 1)   # reciprocal <= 1
-    if axis_name is not None:  # the branch must be the same on every replica
-        screened = lax.pmin(screened.astype(jnp.int32), axis_name) == 1
-    n = len(jax.tree.leaves(grads))
-    return _skip_cond(screened, lambda _: (jnp.ones((n,), jnp.bool_), jnp.asarray(True)),
-                      exact, None)
+        small_reciprocal = (inverse.normal <= 1) | (inverse.post < 1)
+
+    def leaf_flag(g: Any) -> jax.Array:
+        if not tree.is_floating(g):
+            return jnp.asarray(True)
+        accumulate = g.dtype if jnp.issubdtype(g.dtype, jnp.complexfloating) \
+            else tree.compute_dtype(g.dtype)
+        cleared = jnp.isfinite(jnp.sum(g, dtype=accumulate)) & small_reciprocal
+        return _skip_cond(cleared, lambda _: jnp.asarray(True),
+                          lambda _: tree.unscaled_leaf_finite(g, inverse), None)
+
+    flags = jnp.stack([leaf_flag(g) for g in leaves])
+    if axis_name is not None:
+        flags = lax.pmin(flags.astype(jnp.int32), axis_name) == 1
+    return flags, flags.all()
 
 
 def _check(core: _Core, grads: Any, state: LossScalingState, extra_args: dict) -> _Check:

@@ -297,6 +297,15 @@ def _bounded_sum(y: jax.Array) -> jax.Array:
                jnp.zeros((), compute))
 
 
+def unscaled_leaf_finite(x: Any, inverse: Reciprocal | None) -> jax.Array:
+    """Whether one leaf, unscaled as :func:`unscale` computes it, is all finite (a scalar
+    bool; ``True`` for integer and bool leaves)."""
+    if not is_floating(x):
+        return jnp.asarray(True)
+    x = jnp.asarray(x)
+    return jnp.isfinite(_bounded_sum(x if inverse is None else unscale_leaf(x, inverse)))
+
+
 def unscaled_finite_leaves(
     tree: Any, inverse: Reciprocal | None, axis_name: AxisName = None
 ) -> tuple[jax.Array, jax.Array]:
@@ -315,14 +324,7 @@ def unscaled_finite_leaves(
       ``(flags, finite)``: a bool vector with one entry per leaf of ``tree``, in
       ``jax.tree.leaves`` order (``True`` for integer and bool leaves), and their AND.
     """
-    def leaf_finite(x: Any) -> jax.Array:
-        if not is_floating(x):
-            return jnp.asarray(True)
-        x = jnp.asarray(x)
-        y = x if inverse is None else unscale_leaf(x, inverse)
-        return jnp.isfinite(_bounded_sum(y))
-
-    flags = [leaf_finite(x) for x in jax.tree.leaves(tree)]
+    flags = [unscaled_leaf_finite(x, inverse) for x in jax.tree.leaves(tree)]
     if not flags:
         return jnp.ones((0,), jnp.bool_), jnp.asarray(True)
     stacked = _and_over_axes(jnp.stack(flags), axis_name)
