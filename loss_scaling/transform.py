@@ -362,11 +362,16 @@ def with_loss_scaling(
 
         operands = (updates, state.inner_state, params)
         if _resolve_skip(core.skip, fused=False) == "cond":
-            def skip_step(operands: Any) -> Any:
-                out_shapes = jax.eval_shape(step, operands)
-                return _negative_zeros_like(out_shapes[0]), operands[1]
+            # The branches close over their inputs (operand None), as optax.apply_if_finite
+            # does: measured cheaper than passing them when the updates leave the decision.
+            def stepped(_: Any) -> Any:
+                return step(operands)
 
-            new_updates, new_inner = _skip_cond(check.apply, step, skip_step, operands)
+            def skipped(_: Any) -> Any:
+                out_shapes = jax.eval_shape(step, operands)
+                return _negative_zeros_like(out_shapes[0]), state.inner_state
+
+            new_updates, new_inner = _skip_cond(check.apply, stepped, skipped, None)
         else:
             stepped_updates, stepped_inner = step(operands)
             new_updates = jax.tree.map(
