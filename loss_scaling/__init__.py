@@ -18,6 +18,7 @@ from loss_scaling.scalers import (
 from loss_scaling.serialization import (
     FORMAT_VERSION,
     check_same_config,
+    from_bytes,
     from_state_dict,
     restore_loss_scale,
     restore_with_config,
@@ -54,11 +55,14 @@ __all__ = [
     "apply_gradients",
     "check",
     "check_same_config",
+    "from_bytes",
     "from_state_dict",
     "get_loss_scale",
     "loss_scale_for",
     "metrics",
     "nonfinite_grad_paths",
+    "orbax_restore",
+    "orbax_save_args",
     "restore_loss_scale",
     "restore_with_config",
     "scale",
@@ -69,12 +73,19 @@ __all__ = [
     "with_loss_scaling",
 ]
 
+# Imported on first use: `import loss_scaling` never imports Orbax, flax.nnx or Equinox.
+_LAZY = {"orbax_save_args": ("loss_scaling.orbax", "save_args"),
+         "orbax_restore": ("loss_scaling.orbax", "restore")}
+
 
 def __getattr__(name: str) -> object:
-    """``loss_scaling.nnx`` / ``loss_scaling.equinox``, imported on first use: ``import
-    loss_scaling`` never imports flax.nnx or Equinox."""
-    if name in ("nnx", "equinox"):
-        import importlib
+    """``loss_scaling.nnx`` / ``loss_scaling.equinox`` and the Orbax helpers, imported on
+    first use."""
+    import importlib
 
+    if name in ("nnx", "equinox"):
         return importlib.import_module(f"loss_scaling.{name}")
+    if name in _LAZY:
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'loss_scaling' has no attribute {name!r}")

@@ -60,11 +60,14 @@ def _real(name: str, value: Any) -> float:
             f"{name} must be a concrete number, got a traced value {show(value)}: construct loss "
             "scales outside `jit` (a state passed into `jit` keeps its configuration)."
         )
-    if isinstance(value, (bool, np.bool_)) or not (
+    # numpy registers timedelta64 as an integer type (numbers.Real); its 0-d arrays, like
+    # datetime64 and object ones, convert to a number silently: none of them is a number.
+    dtype = getattr(value, "dtype", None)
+    numeric = dtype is None or (isinstance(dtype, np.dtype) and (
+        dtype.kind in "iu" or jnp.issubdtype(dtype, jnp.floating)))
+    if isinstance(value, (bool, np.bool_)) or not numeric or not (
         isinstance(value, numbers.Real)
-        or (isinstance(value, (np.ndarray, jax.Array)) and value.shape == ()
-            and np.issubdtype(value.dtype, np.number)
-            and not np.issubdtype(value.dtype, np.complexfloating))
+        or (isinstance(value, (np.ndarray, jax.Array)) and value.shape == ())
     ):
         raise ValueError(
             f"{name} must be a real number, got {show(value)} of type {type(value).__name__}.")
@@ -117,6 +120,13 @@ def _backoff_factor(value: Any) -> float:
         raise ValueError(
             f"backoff_factor must lie in the open interval (0, 1) as a float32, got {show(value)}."
         )
+    if as_f32 < _F32.tiny:
+        # XLA on CPU reads a subnormal operand as 0: every backoff would give a zero scale,
+        # so the first overflow would fail the run.
+        raise ValueError(
+            f"backoff_factor must be a normal float32 (at least {_F32.tiny}), got "
+            f"{show(value)}: a subnormal factor is read as 0 on CPU, so the first backoff "
+            "would leave the normal float32 range and fail the run.")
     return float(as_f32)
 
 

@@ -1,29 +1,48 @@
 """Saving and restoring loss-scale states.
 
-Two routes, both fail-closed:
+Every route either returns a valid state in the target's layout or raises a
+``ValueError`` that names the field and the value:
 
 * :func:`state_dict` / :func:`from_state_dict`: a plain, JSON-compatible dict holding a
   format version, the kind, the configuration and the values. Restoring validates it as
   construction does and refuses anything else with a ``ValueError`` naming the field.
   ``json.dumps`` / ``json.loads`` round trips are bit-exact (every float is a float32
   value, which a Python float and JSON represent exactly).
-* ``flax.serialization``: importing this module registers the three scaler classes, so
-  ``to_state_dict`` / ``to_bytes`` give the leaves by name (``loss_scale``,
-  ``growth_tracker``, ``nonfinite_tracker``) and ``from_state_dict`` / ``from_bytes``
-  restore them into a target, keeping the *target's* configuration and checking the
-  restored values against it.
+* ``flax.serialization``: importing this module registers the three scaler classes.
+  ``to_state_dict`` / ``to_bytes`` store a static or dynamic scaler as one *checked
+  record* (bytes: its values, their shape and a CRC-32; the leaves by name for
+  placeholders); ``from_state_dict`` / ``from_bytes`` restore it into a target, keeping
+  the *target's* configuration and layout: the shapes must be the target's (scalars, or
+  the leading device axes of a ``pmap``-replicated target), the values must be valid for
+  its configuration, a ``StaticLossScale`` factor must be the target's. Why a checksum:
+  a flipped bit of the scale's float32 is usually another valid, in-range scale, which
+  no validation can tell from the saved one; the CRC-32 refuses every corruption of 1 to
+  32 bits and all but 2**-32 of the others. Bytes written before the record (named
+  leaves) still restore, range-checked only. :func:`from_bytes` is
+  ``flax.serialization.from_bytes`` with msgpack's own decoding errors (truncated bytes,
+  a corrupted header) turned into that ``ValueError`` too.
+* :func:`restore_loss_scale`: the loss scale inside an optimizer state or TrainState
+  replaced by a saved :func:`state_dict`, in the layout of the arrays it replaces
+  (unreplicated, ``pmap``-replicated or sharded). ``loss_scaling.orbax_save_args`` /
+  ``loss_scaling.orbax_restore`` (:mod:`loss_scaling.orbax`) do it for Orbax.
 
 A saved state and a freshly configured target can disagree on the configuration (a new
-``growth_interval``, a ``min_scale`` added on resume). Nothing adopts the new settings
-silently: :func:`check_same_config` raises, listing every difference, and
-:func:`restore_with_config` is the explicit way to keep the saved scale and counters under
-the target's configuration.
+``growth_interval``, a ``min_scale`` added on resume, a ``StaticLossScale`` built with
+another factor). Nothing adopts the new settings silently: :func:`check_same_config`
+raises, listing every difference, and :func:`restore_with_config` is the explicit way to
+keep the saved scale and counters under the target's configuration.
+
+A restored state that reaches a step without any of these checks (a hand-made array
+checkpoint) cannot hurt either: a step whose scale is not a positive normal float32
+applies no update and records ``Failure.INVALID_SCALE`` (see :func:`loss_scaling.check`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import reprlib
+import struct
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -131,9 +150,18 @@ def _mapping(name: str | None, value: Any, keys: tuple[str, ...],
 
 
 def _scalar_item(name: str, value: Any) -> Any:
-    """A concrete 0-d array as its Python scalar; anything else unchanged."""
+    """A concrete 0-d numeric array as its Python scalar; anything else unchanged.
+
+    datetime64, timedelta64 and object arrays (and numpy's datetime / timedelta scalars,
+    which numpy counts as integers) are refused: ``.item()`` would turn them into numbers.
+    """
     if isinstance(value, jax.core.Tracer):
         raise ValueError(f"{_INVALID}{name} must be a concrete number, got a traced value.")
+    dtype = getattr(value, "dtype", None)
+    if isinstance(dtype, np.dtype) and not (
+            dtype.kind in "biufc" or jnp.issubdtype(dtype, jnp.floating)):
+        raise ValueError(
+            f"{_INVALID}{name} must be a number, got {_show(value)} of dtype {dtype}.")
     if isinstance(value, (np.ndarray, jax.Array)) and value.shape == ():
         return value.item()
     return value
@@ -292,6 +320,35 @@ def _kind(scaler: Any) -> str:
     return kind
 
 
+def _host_array(leaf: Any) -> np.ndarray:
+    """A concrete leaf on the host; a replicated array that spans other hosts' devices
+    (multi-host ``NamedSharding``) is read from this host's own copy."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        if not leaf.is_fully_replicated:
+            raise ValueError(
+                f"a loss-scale leaf of shape {leaf.shape} is sharded across hosts: the loss "
+                "scale must be replicated (it is, unless placed otherwise by hand).")
+        return np.asarray(leaf.addressable_data(0))
+    return np.asarray(leaf)
+
+
+def _concrete(leaf: Any) -> bool:
+    return leaf is not None and not isinstance(
+        leaf, (jax.ShapeDtypeStruct, jax.core.Tracer)) and hasattr(leaf, "shape")
+
+
+def _static_factor(scaler: StaticLossScale) -> float | None:
+    """The factor of a concrete static scaler (one value, replicated or not); None for a
+    placeholder (an abstract target carries no factor)."""
+    if not _concrete(scaler.loss_scale):
+        return None
+    values = np.unique(_host_array(scaler.loss_scale).astype(np.float32))
+    if values.size != 1:
+        raise ValueError(
+            f"the StaticLossScale's replicas disagree: loss_scale {_show(values.tolist())}.")
+    return float(values[0])
+
+
 def _read(name: str, leaf: Any, integer: bool) -> float | int:
     """A scalar leaf as a Python number; refuses tracers and non-scalars."""
     if isinstance(leaf, jax.core.Tracer):
@@ -299,7 +356,7 @@ def _read(name: str, leaf: Any, integer: bool) -> float | int:
             f"state_dict needs concrete values, but {name} is a traced value {leaf!r}: call "
             "it outside jit/grad/vmap, on the state a compiled step returned."
         )
-    array = np.asarray(leaf)
+    array = _host_array(leaf)
     if array.shape != ():
         raise ValueError(
             f"state_dict needs scalar values, but {name} has shape {array.shape}. A "
@@ -430,6 +487,15 @@ def _config_differences(saved: Any, target: LossScale) -> list[str]:
         saved_config = saved.config if isinstance(saved, DynamicLossScale) else None
     if saved_kind != target_kind:
         return [f"kind: saved {saved_kind!r}, target {target_kind!r}"]
+    if isinstance(target, StaticLossScale):
+        # A static factor is configuration held in a leaf: compared, never adopted silently.
+        saved_factor = (_parse(saved)[2]["loss_scale"] if isinstance(saved, Mapping)
+                        else _static_factor(saved))
+        target_factor = _static_factor(target)
+        if None not in (saved_factor, target_factor) and saved_factor != target_factor:
+            return [f"loss_scale (a StaticLossScale's factor): saved {saved_factor!r}, "
+                    f"target {target_factor!r}"]
+        return []
     if saved_config is None or not isinstance(target, DynamicLossScale):
         return []
     return [
@@ -445,6 +511,8 @@ def check_same_config(saved: LossScale | Mapping[str, Any], target: LossScale) -
 
     The check a restore makes by default before it lets saved values into a freshly
     configured run: a changed setting is an error, never adopted (or dropped) silently.
+    A ``StaticLossScale``'s factor counts as configuration (compared when ``target`` is
+    concrete: an abstract target from ``jax.eval_shape`` has no value to compare).
 
     Args:
       saved: the saved state, as a loss-scale state or a dict from :func:`state_dict`
@@ -468,6 +536,12 @@ def check_same_config(saved: LossScale | Mapping[str, Any], target: LossScale) -
         growth_interval: saved 2000, target 100
         min_scale: saved None, target 1.0
       ...
+      >>> check_same_config(ls.StaticLossScale(128.0), ls.StaticLossScale(1024.0))
+      Traceback (most recent call last):
+      ...
+      ValueError: the saved loss-scale configuration differs from the target's:
+        loss_scale (a StaticLossScale's factor): saved 128.0, target 1024.0
+      ...
     """
     differences = _config_differences(saved, target)
     if differences:
@@ -486,7 +560,9 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
     clamped into the new configuration's range (``growth_tracker`` to at most
     ``growth_interval - 1``, ``nonfinite_tracker`` to at most ``hysteresis``). The scale
     is not clamped: one outside the target's ``[min_scale, max_scale]`` is an error.
-    ``target``'s own values are not used.
+    ``target``'s own values are not used, with one exception: a ``StaticLossScale``'s
+    factor *is* its configuration, so the result has the target's factor (the saved one
+    when the target is abstract, e.g. from ``jax.eval_shape``, and has no value).
 
     Args:
       saved: the saved state, as a loss-scale state or a dict from :func:`state_dict`
@@ -512,6 +588,9 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
       (256.0, 99, 100)
       >>> float(ls.update(s, True).loss_scale)   # the 100th clean step grows
       512.0
+      >>> float(restore_with_config(ls.StaticLossScale(128.0),
+      ...                           ls.StaticLossScale(1024.0)).loss_scale)
+      1024.0
     """
     target_kind = _kind(target)
     kind, _, values = _saved_parts(saved)
@@ -521,6 +600,12 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
             "kind; to change it, build the new state from the saved scale, e.g. "
             "`ls.StaticLossScale(float(saved.loss_scale))`."
         )
+    if isinstance(target, StaticLossScale):
+        # The factor is the static scale's configuration: the target's wins (the saved one
+        # when the target is abstract and has none).
+        factor = _static_factor(target)
+        return _in_layout(_build(kind, None, values if factor is None
+                                 else {"loss_scale": factor}), target)
     if not isinstance(target, DynamicLossScale):
         return _build(kind, None, values)
     config = target.config
@@ -535,11 +620,19 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
             f"the saved loss_scale ({scale!r}) is above the target's max_scale "
             f"({config.max_scale!r}); raise max_scale or keep the saved configuration."
         )
-    return _build("dynamic", config, {
+    return _in_layout(_build("dynamic", config, {
         "loss_scale": scale,
         "growth_tracker": min(values["growth_tracker"], config.growth_interval - 1),
         "nonfinite_tracker": min(values["nonfinite_tracker"], config.hysteresis),
-    })
+        "failure": values["failure"],   # sticky: a new configuration does not heal a run
+    }), target)
+
+
+def _in_layout(scaler: LossScale, target: LossScale) -> LossScale:
+    """``scaler`` (scalars) in the layout of a concrete ``target`` (replicated, sharded)."""
+    if not all(map(_concrete, jax.tree.leaves(target))):
+        return scaler
+    return jax.tree.map(place_like, scaler, target)
 
 
 # ------------------------------------------------------------- inside optimizer states
@@ -574,8 +667,13 @@ def restore_loss_scale(
         :func:`~loss_scaling.get_loss_scale`).
 
     Returns:
-      A new state of the same structure; only the loss scale's leaves are new (each
-      placed with the sharding of the leaf it replaces).
+      A new state of the same structure; only the loss scale's leaves are new, each in
+      the layout of the leaf it replaces: its shape (the leading device axis of a
+      ``flax.jax_utils.replicate``-d state) and its sharding (``NamedSharding`` or
+      ``pmap``'s, multi-host included: each device's copy comes from this host's value).
+      A ``StaticLossScale`` restored by Orbax already holds the *saved* factor, so the
+      configured one cannot be compared here: :func:`loss_scaling.orbax_restore` with a
+      concrete target compares it.
 
     Raises:
       ValueError: if the configurations differ (unless ``adopt_config``), if ``saved``
@@ -606,22 +704,36 @@ def restore_loss_scale(
       >>> float(s.loss_scale), int(s.growth_tracker), s.growth_interval
       (256.0, 1, 100)
     """
+    import loss_scaling  # for get_loss_scale, whichever module defines it
+
+    target = loss_scaling.get_loss_scale(state, path)  # clear errors for none or several
+    return replace_loss_scale(state, resolve(saved, target, adopt_config=adopt_config), path)
+
+
+def resolve(saved: LossScale | Mapping[str, Any], target: LossScale, *,
+            adopt_config: bool) -> LossScale:
+    """The scaler a restore gives: ``saved`` checked against ``target``'s configuration,
+    or (``adopt_config``) the saved values under it."""
+    if adopt_config:
+        return restore_with_config(saved, target)
+    check_same_config(saved, target)
+    return from_state_dict(saved if isinstance(saved, Mapping) else state_dict(saved))
+
+
+def replace_loss_scale(state: Any, new: LossScale, path: str | None = None) -> Any:
+    """``state`` with the loss scale ``get_loss_scale(state, path)`` picks replaced by
+    ``new`` (a scalar state), placed in the layout of the leaves it replaces."""
     from flax import nnx  # imported here, as in transform: nnx is slow to import
+
+    import loss_scaling
 
     def is_variable(x: Any) -> bool:
         return isinstance(x, nnx.Variable)
 
     if isinstance(state, nnx.Optimizer) or any(
             map(is_variable, jax.tree.leaves(state, is_leaf=is_variable))):
-        return _restore_nnx(state, saved, adopt_config=adopt_config, path=path)
-    import loss_scaling  # for get_loss_scale, whichever module defines it
-
-    target = loss_scaling.get_loss_scale(state, path)  # clear errors for none or several
-    if adopt_config:
-        new = restore_with_config(saved, target)
-    else:
-        check_same_config(saved, target)
-        new = from_state_dict(saved if isinstance(saved, Mapping) else state_dict(saved))
+        return _replace_nnx(state, new, path)
+    target = loss_scaling.get_loss_scale(state, path)
     target_leaves = jax.tree.leaves(target)
     if not target_leaves:  # a NoOpLossScale: nothing to restore
         return state
@@ -640,11 +752,7 @@ def restore_loss_scale(
             "the one `get_loss_scale(state, path)` picks; it replaces exactly one: give "
             "each loss scale its own arrays.")
 
-    def place(new_leaf: jax.Array, old_leaf: Any) -> Any:
-        sharding = getattr(old_leaf, "sharding", None)
-        return new_leaf if sharding is None else jax.device_put(new_leaf, sharding)
-
-    new = jax.tree.map(place, new, target)
+    new = jax.tree.map(place_like, new, target)
     out = optax.tree_utils.tree_set(
         state, is_target, LossScalingState=found[0][1]._replace(scaler=new))
     if any(a is not b for a, b in zip(jax.tree.leaves(loss_scaling.get_loss_scale(out, path)),
@@ -656,18 +764,25 @@ def restore_loss_scale(
     return out
 
 
-def _restore_nnx(state: Any, saved: Any, *, adopt_config: bool, path: str | None) -> Any:
-    """:func:`restore_loss_scale` for an ``nnx.Optimizer`` (in place) or an ``nnx.State``."""
+def place_like(value: Any, like: Any) -> Any:
+    """``value`` (a scalar) in the layout of the leaf ``like``: its shape (a replicated
+    state's leading device axes) and its sharding (``NamedSharding`` or pmap's, on one
+    host or many: each device gets its copy from this host's value)."""
+    shape = tuple(np.shape(like))
+    host = np.broadcast_to(np.asarray(value), shape)
+    sharding = getattr(like, "sharding", None)
+    if sharding is None or isinstance(like, jax.core.Tracer):
+        return jnp.asarray(host)
+    return jax.make_array_from_callback(shape, sharding, lambda index: host[index])
+
+
+def _replace_nnx(state: Any, new: LossScale, path: str | None) -> Any:
+    """:func:`replace_loss_scale` for an ``nnx.Optimizer`` (in place) or an ``nnx.State``."""
     from flax import nnx
 
     import loss_scaling
 
     target = loss_scaling.get_loss_scale(state, path)  # clear errors for none or several
-    if adopt_config:
-        new = restore_with_config(saved, target)
-    else:
-        check_same_config(saved, target)
-        new = from_state_dict(saved if isinstance(saved, Mapping) else state_dict(saved))
     # get_loss_scale returns the values the Variables hold: they identify the Variables.
     holder = state.opt_state if isinstance(state, nnx.Optimizer) else state
     is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
@@ -679,9 +794,7 @@ def _restore_nnx(state: Any, saved: Any, *, adopt_config: bool, path: str | None
             raise ValueError(
                 f"restore_loss_scale found {len(owners)} nnx Variables holding one loss-scale "
                 "array; it replaces exactly one: give each loss scale its own arrays.")
-        sharding = getattr(old_leaf, "sharding", None)
-        replace[id(owners[0])] = (new_leaf if sharding is None
-                                  else jax.device_put(new_leaf, sharding))
+        replace[id(owners[0])] = place_like(new_leaf, old_leaf)
     if isinstance(state, nnx.Optimizer):
         for v in variables:
             if id(v) in replace:
@@ -700,24 +813,103 @@ _FLAX_LEAVES = {
 }
 _FLAX_OPTIONAL = ("failure",)  # absent from bytes written before failures were recorded
 
+# The checked record that flax.serialization stores for a static or dynamic scaler:
+#   magic b"LSR1" | kind u8 (1 static, 2 dynamic) | ndim u8 | dims u32[ndim] |
+#   each leaf of _FLAX_LEAVES, little-endian float32 / int32, C order | crc32 u32
+# of everything before it. One msgpack `bin`: msgpack never decodes inside it, so a
+# corrupted byte of the record reaches `_flax_from_state_dict` (a ValueError naming the
+# field), and the CRC-32 refuses every 1- to 32-bit burst and all but 2**-32 of the rest:
+# a flipped bit of the scale's float32 can give another in-range scale, which no range
+# check can see.
+_RECORD_MAGIC = b"LSR1"
+_RECORD_KIND = {StaticLossScale: 1, DynamicLossScale: 2}
+_RECORD_DTYPE = {"loss_scale": np.dtype("<f4")}
+_INT_DTYPE = np.dtype("<i4")
 
-def _flax_to_state_dict(scaler: LossScale) -> dict[str, Any]:
+
+def _record(scaler: LossScale) -> bytes | None:
+    """The checked record of a concrete scaler; None for placeholders and tracers."""
+    names = _FLAX_LEAVES[type(scaler)]
+    leaves = [getattr(scaler, name) for name in names]
+    if not all(map(_concrete, leaves)):
+        return None
+    arrays = [_host_array(leaf) for leaf in leaves]
+    shape = arrays[0].shape
+    if any(a.shape != shape for a in arrays) or len(shape) > 255:
+        return None
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        body = b"".join(np.ascontiguousarray(a.astype(_RECORD_DTYPE.get(n, _INT_DTYPE))).tobytes()
+                        for n, a in zip(names, arrays, strict=True))
+    payload = (_RECORD_MAGIC + struct.pack("<BB", _RECORD_KIND[type(scaler)], len(shape))
+               + struct.pack(f"<{len(shape)}I", *shape) + body)
+    return payload + struct.pack("<I", zlib.crc32(payload))
+
+
+def _read_record(target: LossScale, record: bytes) -> dict[str, np.ndarray]:
+    """The named arrays of a checked record; a ValueError for anything corrupted."""
+    names = _FLAX_LEAVES[type(target)]
+    if len(record) < len(_RECORD_MAGIC) + 6 or zlib.crc32(record[:-4]) != struct.unpack(
+            "<I", record[-4:])[0]:
+        raise _flax_error(
+            f"the record of {', '.join(names)} ({len(record)} bytes) fails its CRC-32 check: "
+            "the bytes are corrupted or truncated. Restore an intact copy of the checkpoint.")
+    if record[:4] != _RECORD_MAGIC:
+        raise _flax_error(f"the record starts with {record[:4]!r}, not {_RECORD_MAGIC!r}: it "
+                          "was written by a newer or another program.")
+    kind, ndim = struct.unpack("<BB", record[4:6])
+    if kind != _RECORD_KIND[type(target)]:
+        saved = {v: k.__name__ for k, v in _RECORD_KIND.items()}.get(kind, f"kind {kind}")
+        raise _flax_error(f"the bytes hold a {saved}, the target is a {type(target).__name__}.")
+    shape = struct.unpack(f"<{ndim}I", record[6:6 + 4 * ndim])
+    count = int(np.prod(shape, dtype=np.int64))
+    if len(record) != 6 + 4 * ndim + 4 * count * len(names) + 4:
+        raise _flax_error(f"the record's length ({len(record)} bytes) does not match its "
+                          f"shape {shape}.")
+    arrays, offset = {}, 6 + 4 * ndim
+    for name in names:
+        dtype = _RECORD_DTYPE.get(name, _INT_DTYPE)
+        arrays[name] = np.frombuffer(record, dtype, count, offset).reshape(shape).astype(
+            dtype.newbyteorder("="))
+        offset += 4 * count
+    return arrays
+
+
+def _flax_to_state_dict(scaler: LossScale) -> Any:
+    if isinstance(scaler, NoOpLossScale):
+        return {}
+    record = _record(scaler)
+    if record is not None:
+        return record
+    # Placeholders (None, ShapeDtypeStruct) and tracers: the leaves by name, unchecked.
     return {name: getattr(scaler, name) for name in _FLAX_LEAVES[type(scaler)]}
+
+
+_FLAX_ERROR = "cannot restore the loss-scale state at "
 
 
 def _flax_error(message: str) -> ValueError:
     path = flax.serialization.current_path()
-    return ValueError(f"cannot restore the loss-scale state at {path!r}: {message}")
+    return ValueError(f"{_FLAX_ERROR}{path!r}: {message}")
+
+
+def _expected_shape(target_leaf: Any) -> tuple[int, ...]:
+    """The shape a restored leaf must have: the target's (its replica or device axes
+    included); a None placeholder stands for an unreplicated scalar."""
+    return () if target_leaf is None else tuple(np.shape(target_leaf))
 
 
 def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
-    """Checks a concrete restored leaf against the target's configuration.
+    """Checks a concrete restored leaf against the target's layout and configuration.
 
-    Placeholders (``None``, ``ShapeDtypeStruct``, tracers) pass through untouched.
-    Anything else must be a numeric array (of any shape: a ``pmap``-ed state has a
-    leading device axis), checked elementwise.
+    Placeholders (``None``, ``ShapeDtypeStruct``, tracers) pass through untouched into
+    a placeholder target. Anything else must be a numeric array of the target leaf's
+    shape (a ``pmap``-ed state has a leading device axis), checked elementwise.
     """
+    target_leaf = getattr(target, name, None)
     if value is None or isinstance(value, (jax.ShapeDtypeStruct, jax.core.Tracer)):
+        if _concrete(target_leaf):
+            raise _flax_error(f"{name} is {_show(value)}, not a value: the saved state was a "
+                              "placeholder (e.g. from jax.eval_shape).")
         return value
     try:
         array = np.asarray(value)
@@ -728,13 +920,19 @@ def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
         raise _flax_error(
             f"{name} must be {'an integer' if integer else 'a floating'} array, got "
             f"{_show(value)} of dtype {array.dtype}.")
+    expected = _expected_shape(target_leaf)
+    if array.shape != expected:
+        raise _flax_error(
+            f"{name} has shape {array.shape}, the target's has shape {expected}: restore into "
+            "a target of the saved layout (a pmap-replicated state has a leading device "
+            "axis: replicate the target with flax.jax_utils.replicate, or save one replica).")
     dtype = np.int32 if integer else np.float32
     if integer:
         assert isinstance(target, DynamicLossScale)  # the only kind with integer leaves
         config = target.config
         high = {"growth_tracker": config.growth_interval - 1,
                 "nonfinite_tracker": config.hysteresis}.get(name, max(Failure))
-        if array.size and not (array.min() >= 0 and array.max() <= high):
+        if not (array.min(initial=0) >= 0 and array.max(initial=0) <= high):
             raise _flax_error(
                 f"{name} must lie in [0, {high}] for the target's configuration, got "
                 f"{_show(value)}. If the saved configuration differs, restore the saved "
@@ -748,28 +946,115 @@ def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
         if isinstance(target, DynamicLossScale):
             low = max(low, target.min_scale or low)
             high_scale = min(high_scale, target.max_scale or high_scale)
-        if as_f32.size and not np.all(np.isfinite(as_f32) & (as_f32 >= low)
-                                      & (as_f32 <= high_scale)):
+        if not np.all(np.isfinite(as_f32) & (as_f32 >= low) & (as_f32 <= high_scale)):
             raise _flax_error(
                 f"loss_scale must be a finite, positive, normal float32 in [{low!r}, "
                 f"{high_scale!r}] (the target's range), got {_show(value)}.")
+        if isinstance(target, StaticLossScale) and _concrete(target_leaf):
+            configured = _host_array(target_leaf).astype(np.float32)
+            if not np.array_equal(as_f32, configured):
+                raise _flax_error(
+                    f"loss_scale: saved {_show(as_f32.tolist())}, the target's "
+                    f"StaticLossScale factor is {_show(configured.tolist())}. A static "
+                    "factor is configuration: build the target with the saved factor, or "
+                    "restore into a placeholder (`jax.tree.map(lambda _: None, target)`) and "
+                    "adopt the new one with `loss_scaling.restore_with_config`.")
     if isinstance(value, jax.Array) and value.dtype == dtype:
         return value
     return jnp.asarray(array.astype(dtype))
 
 
 def _flax_from_state_dict(target: LossScale, state: Any) -> LossScale:
+    try:
+        return _flax_restore(target, state)
+    except Exception as error:  # hostile state: still a ValueError that names the path
+        if isinstance(error, ValueError) and str(error).startswith(_FLAX_ERROR):
+            raise
+        raise _flax_error(f"{type(error).__name__}: {_show(str(error))}") from None
+
+
+def _flax_restore(target: LossScale, state: Any) -> LossScale:
     names = _FLAX_LEAVES[type(target)]
-    if isinstance(state, Mapping) and set(names) - set(state) <= set(_FLAX_OPTIONAL):
-        state = {"failure": np.zeros_like(np.asarray(state.get("loss_scale", 0)), np.int32),
-                 **state} if "failure" in names else state
+    if isinstance(state, (bytes, bytearray, memoryview)) and names:
+        state = _read_record(target, bytes(state))
+    elif names and isinstance(state, Mapping) and set(names) - set(state) <= set(_FLAX_OPTIONAL):
+        # Bytes written before the checked record (no CRC: the values are range-checked).
+        if "failure" in names and "failure" not in state:
+            shape = np.shape(np.asarray(state.get("loss_scale", 0)))
+            state = {"failure": np.zeros(shape, np.int32), **state}
     if not isinstance(state, Mapping) or set(state) != set(names):
         got = sorted(map(_show, state)) if isinstance(state, Mapping) else _show(state)
-        raise _flax_error(f"expected a dict with exactly the keys {list(names)}, got {got}.")
+        raise _flax_error(f"expected {'the checked record of' if names else 'a dict with'} "
+                          f"the keys {list(names)}, got {got}.")
     leaves = [_flax_leaf(target, name, state[name]) for name in names]
     # Every child of the target counts as one leaf, whatever it holds (even None).
     treedef = jax.tree.structure(target, is_leaf=lambda x: x is not target)
     return jax.tree.unflatten(treedef, leaves)
+
+
+def from_bytes(target: Any, encoded: bytes) -> Any:
+    """``flax.serialization.from_bytes``, with every failure a ``ValueError``.
+
+    ``flax.serialization.from_bytes`` decodes the whole message with msgpack before any
+    restore hook runs: truncated bytes, or a corrupted byte of msgpack's own framing,
+    raise there (msgpack's ``ValueError`` / ``ExtraData``, or a ``TypeError`` or
+    ``UnicodeDecodeError`` from flax's array decoding) and name no field. This function
+    turns those into a ``ValueError`` that names the loss-scale states of ``target``, so
+    that a caller can handle corrupted checkpoints with one ``except ValueError``. A
+    corrupted loss-scale record itself is refused (CRC-32) by either function.
+
+    Args:
+      target: the restore target, as for ``flax.serialization.from_bytes``.
+      encoded: bytes from ``flax.serialization.to_bytes``.
+
+    Returns:
+      ``target`` with the restored values.
+
+    Raises:
+      ValueError: for anything that does not restore into ``target``: undecodable bytes,
+        another structure, a corrupted loss-scale record or invalid values.
+
+    Examples:
+      >>> import flax.serialization
+      >>> import loss_scaling as ls
+      >>> from loss_scaling.serialization import from_bytes
+      >>> s = ls.update(ls.DynamicLossScale(init_scale=256.0), False)
+      >>> data = flax.serialization.to_bytes({"scaler": s})
+      >>> float(from_bytes({"scaler": ls.DynamicLossScale()}, data)["scaler"].loss_scale)
+      128.0
+      >>> from_bytes({"scaler": ls.DynamicLossScale()}, data[:-1])
+      Traceback (most recent call last):
+      ...
+      ValueError: cannot decode the bytes for the loss-scale state at './scaler': ...
+    """
+    def is_scaler(x: Any) -> bool:
+        return isinstance(x, (NoOpLossScale, StaticLossScale, DynamicLossScale))
+
+    paths = [
+        "./" + "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                        for k in path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_scaler)[0]
+        if is_scaler(_)]
+    where = (f"the loss-scale state at {', '.join(map(repr, paths))}" if paths
+             else "a target holding no loss scale")
+    try:
+        state = flax.serialization.msgpack_restore(encoded)
+    except Exception as error:
+        raise ValueError(
+            f"cannot decode the bytes for {where}: msgpack says {type(error).__name__}: "
+            f"{_show(str(error))}. They are truncated or corrupted: restore an intact copy."
+        ) from None
+    try:
+        return flax.serialization.from_state_dict(target, state)
+    except ValueError as error:
+        if str(error).startswith(_FLAX_ERROR):
+            raise  # ours, naming the field
+        raise ValueError(f"cannot restore {where}: the decoded bytes do not match the "
+                         f"target's structure ({error}).") from None
+    except Exception as error:
+        raise ValueError(
+            f"cannot restore {where}: the decoded bytes do not match the target's "
+            f"structure ({type(error).__name__}: {_show(str(error))}).") from None
 
 
 for _cls in _FLAX_LEAVES:

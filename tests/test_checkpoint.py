@@ -451,3 +451,340 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
 
 if __name__ == "__main__":
     resume_in_this_process(pathlib.Path(sys.argv[1]))
+
+
+# ------------------------------------------------ restore on every route and layout (13)
+
+
+def test_restore_loss_scale_keeps_a_pmap_replicated_layout():
+    # flax.jax_utils.replicate gives every leaf a leading device axis; restoring a saved
+    # scalar used to fail in device_put ("incompatible with its sharding annotation").
+    from flax import jax_utils
+
+    tx = ls.with_loss_scaling(optax.sgd(0.1), ls.DynamicLossScale(init_scale=256.0,
+                                                                  growth_interval=4))
+    replicated = jax_utils.replicate(tx.init(PARAMS))
+    saved = ls.update(ls.update(ls.DynamicLossScale(init_scale=64.0, growth_interval=4),
+                                True), True)
+    n = jax.local_device_count()
+    for adopt in (False, True):
+        out = ls.restore_loss_scale(replicated, ls.state_dict(saved), adopt_config=adopt)
+        old, new = ls.get_loss_scale(replicated), ls.get_loss_scale(out)
+        for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new), strict=True):
+            assert (b.shape, b.dtype, b.sharding) == (a.shape, a.dtype, a.sharding) == (
+                b.shape, b.dtype, b.sharding)
+        assert new.loss_scale.tolist() == [64.0] * n
+        assert new.growth_tracker.tolist() == [2] * n
+
+
+def test_restore_loss_scale_refuses_a_different_static_factor_unless_adopted():
+    def make(factor):
+        return ls.TrainState.create(apply_fn=None, params=PARAMS, tx=ls.with_loss_scaling(
+            optax.sgd(0.1), ls.StaticLossScale(factor)))
+
+    saved = ls.state_dict(ls.StaticLossScale(128.0))
+    with pytest.raises(ValueError, match=r"a StaticLossScale's factor\): saved 128.0, target "
+                                         r"1024.0"):
+        ls.restore_loss_scale(make(1024.0), saved)
+    adopted = ls.restore_loss_scale(make(1024.0), saved, adopt_config=True)
+    assert float(ls.get_loss_scale(adopted).loss_scale) == 1024.0   # the configured factor
+    kept = ls.restore_loss_scale(make(128.0), saved)
+    assert float(ls.get_loss_scale(kept).loss_scale) == 128.0
+
+
+def linen_state():
+    tx = ls.with_loss_scaling(optax.adamw(1e-2), ls.DynamicLossScale(
+        init_scale=512.0, growth_interval=3, hysteresis=2))
+    return train_state.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
+
+
+def ls_state():
+    tx = ls.with_loss_scaling(optax.adamw(1e-2), ls.DynamicLossScale(
+        init_scale=512.0, growth_interval=3, hysteresis=2))
+    return ls.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
+
+
+def dict_state():
+    tx = chained(ls.DynamicLossScale(init_scale=512.0, growth_interval=3, hysteresis=2))
+    return {"params": PARAMS, "opt_state": tx.init(PARAMS)}
+
+
+def stepped(state):
+    grads = [jax.tree.map(lambda x, p=p: (x - 1.0) * p, PARAMS) for p in (1.0, INF, 1.0)]
+    if isinstance(state, dict):
+        tx = chained(ls.DynamicLossScale(init_scale=512.0, growth_interval=3, hysteresis=2))
+        for g in grads:
+            updates, opt_state = tx.update(g, state["opt_state"], state["params"])
+            state = {"params": optax.apply_updates(state["params"], updates),
+                     "opt_state": opt_state}
+        return state
+    for g in grads:
+        state = state.apply_gradients(grads=g)
+    return state
+
+
+ORBAX_STATES = pytest.mark.parametrize("make", [linen_state, ls_state, dict_state],
+                                       ids=["linen", "ls", "dict"])
+
+
+@ORBAX_STATES
+def test_orbax_helpers_round_trip_bit_identically(make, tmp_path):
+    state = stepped(make())
+    assert int(ls.metrics(state if not isinstance(state, dict) else state["opt_state"])[
+        "skipped_steps"]) == 1
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        mngr.save(3, args=ls.orbax_save_args(state))   # async
+        mngr.wait_until_finished()
+        saved_json = json.loads((tmp_path / "m" / "3" / "loss_scale" / "metadata").read_text())
+        restored = ls.orbax_restore(mngr, jax.eval_shape(make))
+    assert saved_json == ls.state_dict(ls.get_loss_scale(state))
+    assert type(restored) is type(state)
+    assert_bit_identical(restored, state, same_treedef=False)
+    assert ls.get_loss_scale(restored).config == ls.get_loss_scale(state).config
+
+
+@ORBAX_STATES
+def test_orbax_helpers_refuse_a_changed_config_and_adopt_it_on_request(make, tmp_path):
+    state = stepped(make())
+    new_scaler = ls.DynamicLossScale(init_scale=512.0, growth_interval=50, hysteresis=2)
+    if isinstance(state, dict):
+        tx = chained(new_scaler)
+        target = jax.eval_shape(lambda: {"params": PARAMS, "opt_state": tx.init(PARAMS)})
+    else:
+        target = jax.eval_shape(lambda: type(state).create(
+            apply_fn=None, params=PARAMS, tx=ls.with_loss_scaling(optax.adamw(1e-2),
+                                                                   new_scaler)))
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        mngr.save(3, args=ls.orbax_save_args(state))
+        mngr.wait_until_finished()
+        with pytest.raises(ValueError, match="growth_interval: saved 3, target 50"):
+            ls.orbax_restore(mngr, target)
+        adopted = ls.orbax_restore(mngr, target, adopt_config=True)
+    assert ls.get_loss_scale(adopted).growth_interval == 50
+    assert_bit_identical(adopted, state, same_treedef=False)
+
+
+def test_orbax_helpers_refuse_a_stored_scale_the_json_does_not_confirm(tmp_path):
+    # Plain Orbax restores any stored scale unchecked, -32768 included.
+    state = stepped(ls_state())
+    bad = state.replace(opt_state=state.opt_state._replace(
+        scaler=jax.tree.map(lambda x: x, ls.get_loss_scale(state))))
+    poisoned = jax.tree.unflatten(jax.tree.structure(ls.get_loss_scale(bad)), [
+        jnp.float32(-32768.0), *jax.tree.leaves(ls.get_loss_scale(bad))[1:]])
+    bad = bad.replace(opt_state=bad.opt_state._replace(scaler=poisoned))
+    with ocp.CheckpointManager(tmp_path / "plain") as mngr:
+        mngr.save(1, args=ocp.args.StandardSave(bad))
+        mngr.wait_until_finished()
+        silently = mngr.restore(1, args=ocp.args.StandardRestore(jax.eval_shape(ls_state)))
+    assert float(ls.get_loss_scale(silently).loss_scale) == -32768.0   # Orbax alone
+    # ...which cannot hurt: the step's own guard applies no update and records the failure.
+    after = jax.jit(lambda s: s.apply_gradients(grads=jax.tree.map(jnp.ones_like, s.params)))(
+        silently)
+    assert_bit_identical(after.params, silently.params)
+    assert int(ls.metrics(after)["failure"]) == int(ls.Failure.INVALID_SCALE)
+    with pytest.raises(ls.LossScaleError, match="-32768"):
+        ls.check(after)
+    # With the helpers the JSON is written from the same state: an invalid scale is
+    # refused at save time...
+    with pytest.raises(ValueError, match="loss_scale"):
+        ls.orbax_save_args(bad)
+    # ...and arrays that disagree with the JSON (a checkpoint corrupted after saving, or
+    # items mixed up) at restore time.
+    with ocp.CheckpointManager(tmp_path / "mixed") as mngr:
+        mngr.save(1, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(bad),
+            loss_scale=ocp.args.JsonSave(ls.state_dict(ls.get_loss_scale(state)))))
+        mngr.wait_until_finished()
+        with pytest.raises(ValueError, match=r"corrupted: its arrays say loss_scale -32768.0, "
+                                             r"its loss-scale JSON says 512.0"):
+            ls.orbax_restore(mngr, jax.eval_shape(ls_state))
+
+
+def test_orbax_helpers_refuse_a_different_static_factor_with_a_concrete_target(tmp_path):
+    def make(factor):
+        return ls.TrainState.create(apply_fn=None, params=PARAMS, tx=ls.with_loss_scaling(
+            optax.sgd(0.1), ls.StaticLossScale(factor)))
+
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        mngr.save(0, args=ls.orbax_save_args(make(128.0)))
+        mngr.wait_until_finished()
+        with pytest.raises(ValueError, match="saved 128.0, target 1024.0"):
+            ls.orbax_restore(mngr, make(1024.0))
+        adopted = ls.orbax_restore(mngr, make(1024.0), adopt_config=True)
+        assert float(ls.get_loss_scale(adopted).loss_scale) == 1024.0
+        restored = ls.orbax_restore(mngr, jax.eval_shape(lambda: make(1024.0)))
+        assert float(ls.get_loss_scale(restored).loss_scale) == 128.0  # abstract: no factor
+
+
+def test_orbax_helpers_with_extra_items_and_errors(tmp_path):
+    state = stepped(dict_state())
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        with pytest.raises(ValueError, match="no checkpoint"):
+            ls.orbax_restore(mngr, jax.eval_shape(dict_state))
+        mngr.save(0, args=ls.orbax_save_args(state, extra=ocp.args.JsonSave({"epoch": 3})))
+        mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+        mngr.wait_until_finished()
+        assert mngr.restore(0, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))[
+            "extra"] == {"epoch": 3}
+        restored = ls.orbax_restore(mngr, jax.eval_shape(dict_state), step=0)
+        assert_bit_identical(restored, state, same_treedef=False)
+        with pytest.raises(ValueError, match=r"loss-scale item 'loss_scale' of step 1"):
+            ls.orbax_restore(mngr, jax.eval_shape(dict_state))       # the latest: step 1
+
+
+def test_import_loss_scaling_does_not_import_orbax():
+    code = "import sys, loss_scaling; assert 'orbax' not in sys.modules, 'orbax imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_orbax_save_args_saves_one_replica_and_refuses_replicas_that_disagree():
+    from loss_scaling.orbax import one_replica
+
+    s = ls.update(ls.DynamicLossScale(init_scale=8.0), True)
+    stacked = jax.tree.map(lambda x: jnp.stack([x, x, x]), s)
+    assert ls.state_dict(one_replica(stacked)) == ls.state_dict(s)
+    drifted = jax.tree.unflatten(jax.tree.structure(stacked), [
+        jnp.array([8.0, 8.0, 4.0]), *jax.tree.leaves(stacked)[1:]])
+    with pytest.raises(ValueError, match=r"replicas of the loss scale disagree: loss_scale is "
+                                         r"\[8.0, 8.0, 4.0\]"):
+        one_replica(drifted)
+    nan = jax.tree.map(lambda x: jnp.stack([x, x]), ls.StaticLossScale(2.0))
+    nan = jax.tree.unflatten(jax.tree.structure(nan), [jnp.array([np.nan, np.nan])])
+    with pytest.raises(ValueError, match="loss_scale"):    # agreeing NaNs: invalid, not drift
+        ls.state_dict(one_replica(nan))
+
+
+# --------------------------------------------------------------------------------- nnx
+
+
+def nnx_run(steps, model=None, optimizer=None, start=0):
+    """A float16 nnx MLP with BatchNorm, trained with ls.nnx.Optimizer; overflows injected."""
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(4, 8, rngs=rngs, param_dtype=jnp.float32)
+            self.bn = nnx.BatchNorm(8, rngs=rngs)
+            self.l2 = nnx.Linear(8, 1, rngs=rngs)
+
+        def __call__(self, x):
+            h = jax.nn.relu(self.bn(self.l1(x.astype(jnp.float16)).astype(jnp.float32)))
+            return self.l2(h)
+
+    if model is None:
+        model = MLP(nnx.Rngs(0))
+        tx = ls.with_loss_scaling(optax.adam(1e-2), ls.DynamicLossScale(
+            init_scale=2.0**12, growth_interval=3, hysteresis=2))
+        optimizer = ls.nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(optimizer, model, x, y, poison):
+        def loss_fn(model, x, y, poison):
+            return jnp.mean((model(x) - y) ** 2) * poison
+
+        _, grads = ls.value_and_grad(loss_fn)(optimizer, model, x, y, poison)
+        optimizer.update(model, grads)
+
+    data = batches()
+    for t in range(start, steps):
+        x, y, poison = data[t]
+        step(optimizer, model, x, y, poison)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("abstract", [False, True], ids=["fresh", "eval_shape"])
+def test_nnx_resume_through_the_orbax_helpers_is_bit_identical(abstract, tmp_path):
+    from flax import nnx
+
+    model, optimizer = nnx_run(N_STEPS)                 # uninterrupted
+    m1, o1 = nnx_run(RESUME_AT)
+    assert int(ls.metrics(o1)["skipped_steps"]) >= 3
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        mngr.save(RESUME_AT, args=ls.orbax_save_args(
+            {"model": nnx.state(m1), "optimizer": nnx.state(o1)}))
+        mngr.wait_until_finished()
+        m2, o2 = nnx_run(0)                              # a fresh run, rebuilt
+        target = {"model": nnx.state(m2), "optimizer": nnx.state(o2)}
+        if abstract:
+            target = jax.eval_shape(lambda: target)
+        restored = ls.orbax_restore(mngr, target)
+    nnx.update(m2, restored["model"])
+    nnx.update(o2, restored["optimizer"])
+    assert ls.state_dict(ls.get_loss_scale(o2)) == ls.state_dict(ls.get_loss_scale(o1))
+    nnx_run(N_STEPS, m2, o2, start=RESUME_AT)
+    assert_bit_identical(jax.tree.leaves(nnx.state(m2)), jax.tree.leaves(nnx.state(model)))
+    assert_bit_identical(jax.tree.leaves(nnx.state(o2)), jax.tree.leaves(nnx.state(optimizer)))
+
+
+def test_nnx_helpers_refuse_a_changed_config(tmp_path):
+    from flax import nnx
+
+    m1, o1 = nnx_run(RESUME_AT)
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        mngr.save(0, args=ls.orbax_save_args(nnx.state(o1)))
+        mngr.wait_until_finished()
+        other = ls.nnx.Optimizer(m1, ls.with_loss_scaling(optax.adam(1e-2), ls.DynamicLossScale(
+            init_scale=2.0**12, growth_interval=7, hysteresis=2)), wrt=nnx.Param)
+        with pytest.raises(ValueError, match="growth_interval: saved 3, target 7"):
+            ls.orbax_restore(mngr, nnx.state(other))
+        adopted = ls.orbax_restore(mngr, nnx.state(other), adopt_config=True)
+    nnx.update(other, adopted)
+    s = ls.get_loss_scale(other)
+    assert s.growth_interval == 7
+    assert float(s.loss_scale) == float(ls.get_loss_scale(o1).loss_scale)
+
+
+# ------------------------------------------------- docs/checkpoints.md: every block runs
+
+GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md"
+
+
+def guide_blocks():
+    import re
+
+    return re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.DOTALL)
+
+
+def run_block(code, cwd, monkeypatch, name="__main__"):
+    monkeypatch.chdir(cwd)
+    namespace = {"__name__": name}
+    exec(compile(code, str(GUIDE), "exec"), namespace)
+    return namespace
+
+
+def test_the_guide_has_the_recipe_and_says_which_routes_check():
+    text = GUIDE.read_text()
+    assert "<!-- block: name=recipe -->\n```python\n" in text
+    assert "<!-- block: name=json -->\n```python\n" in text
+    assert "## Which routes check what" in text
+    for route in ("ls.orbax_restore", "ls.restore_loss_scale", "ls.from_state_dict",
+                  "flax.serialization.from_bytes", "ls.from_bytes", "ocp.args.StandardRestore"):
+        assert f"`{route}" in text.split("## Which routes check what")[1]
+
+
+def test_the_guides_blocks_run(tmp_path, monkeypatch, capsys):
+    recipe_block, sharded, nnx_block, flax_block, json_block = guide_blocks()
+    ns = run_block(recipe_block, tmp_path, monkeypatch)
+    assert capsys.readouterr().out == "16384.0 500\n"
+    assert_bit_identical(ns["resumed"], ns["state"], same_treedef=False)
+    assert_bit_identical(ns["adopted"], ns["state"], same_treedef=False)
+    with ocp.CheckpointManager(tmp_path / "checkpoints") as mngr:   # the commented-out line
+        with pytest.raises(ValueError, match="growth_interval: saved 1000, target 500"):
+            ns["restore"](mngr, ns["new_config"])
+    imported = run_block(recipe_block, tmp_path, monkeypatch, name="checkpointing")
+    assert {"save", "restore", "make_state"} <= set(imported) and "state" not in imported
+
+    ns = run_block(sharded, tmp_path, monkeypatch)
+    assert capsys.readouterr().out == "1024.0\n"
+    assert_bit_identical(ns["restored"], ns["state"])
+
+    ns = run_block(nnx_block, tmp_path, monkeypatch)
+    assert capsys.readouterr().out == "16384.0\n"
+    assert int(ls.metrics(ns["optimizer2"])["skipped_steps"]) == 1
+
+    run_block(flax_block, tmp_path, monkeypatch)
+    assert "loss-scale state at './opt_state/scaler'" in capsys.readouterr().out
+
+    ns = run_block(json_block, tmp_path, monkeypatch)
+    assert json.loads(ns["text"])["values"]["growth_tracker"] == 1

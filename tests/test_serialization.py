@@ -409,8 +409,8 @@ def valid_dicts(draw) -> dict:
     d["config"] = {
         "growth_factor": draw(st.floats(min_value=1.0, max_value=2.0**100, exclude_min=True,
                                         width=32)),
-        "backoff_factor": draw(st.floats(min_value=0.0, max_value=1.0, exclude_min=True,
-                                         exclude_max=True, width=32)),
+        "backoff_factor": draw(st.floats(min_value=TINY, max_value=1.0, exclude_max=True,
+                                         width=32)),   # subnormal factors are refused
         "growth_interval": interval,
         "hysteresis": hysteresis,
         "min_scale": draw(st.none() | st.floats(min_value=TINY, max_value=scale, width=32)),
@@ -559,8 +559,22 @@ def target(**changes) -> ls.DynamicLossScale:
 def test_check_same_config_accepts_the_same_configuration(as_dict):
     saved = saved_state()
     check_same_config(state_dict(saved) if as_dict else saved, target())
-    check_same_config(ls.StaticLossScale(2.0), ls.StaticLossScale(8.0))
+    check_same_config(ls.StaticLossScale(8.0), ls.StaticLossScale(8.0))
     check_same_config(ls.NoOpLossScale(), ls.NoOpLossScale())
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["scaler", "dict"])
+def test_a_static_factor_is_configuration_refused_unless_adopted(as_dict):
+    saved = ls.StaticLossScale(128.0)
+    saved = state_dict(saved) if as_dict else saved
+    with pytest.raises(ValueError, match=r"loss_scale \(a StaticLossScale's factor\): saved "
+                                         r"128.0, target 1024.0"):
+        check_same_config(saved, ls.StaticLossScale(1024.0))
+    # Adopting the configuration: the target's factor; an abstract target has none.
+    assert float(restore_with_config(saved, ls.StaticLossScale(1024.0)).loss_scale) == 1024.0
+    abstract = jax.eval_shape(lambda: ls.StaticLossScale(1024.0))
+    check_same_config(saved, abstract)
+    assert float(restore_with_config(saved, abstract).loss_scale) == 128.0
 
 
 @pytest.mark.parametrize("as_dict", [False, True], ids=["scaler", "dict"])
@@ -615,7 +629,7 @@ def test_restore_with_config_clamps_the_trackers():
 def test_restore_with_config_with_the_same_config_is_the_saved_state():
     saved = dynamic_after_overflows()
     assert_bit_identical(restore_with_config(saved, target()), saved)
-    assert_bit_identical(restore_with_config(ls.StaticLossScale(64.0), ls.StaticLossScale(2.0)),
+    assert_bit_identical(restore_with_config(ls.StaticLossScale(64.0), ls.StaticLossScale(64.0)),
                          ls.StaticLossScale(64.0))
     assert_bit_identical(restore_with_config(ls.NoOpLossScale(), ls.NoOpLossScale()),
                          ls.NoOpLossScale())
@@ -643,13 +657,18 @@ def test_restore_with_config_refuses_other_kinds_and_invalid_saved_state():
 # ------------------------------------------------------------------ flax.serialization
 
 
-def test_flax_state_dict_names_the_leaves():
+def test_flax_state_dict_is_a_checked_record_and_names_the_leaves_of_placeholders():
     s = saved_state()
     assert flax.serialization.to_state_dict(ls.NoOpLossScale()) == {}
-    assert set(flax.serialization.to_state_dict(ls.StaticLossScale(2.0))) == {"loss_scale"}
-    state = flax.serialization.to_state_dict({"scaler": s})["scaler"]
-    assert set(state) == {"loss_scale", "growth_tracker", "nonfinite_tracker", "failure"}
-    assert state["growth_tracker"] is s.growth_tracker
+    record = flax.serialization.to_state_dict({"scaler": s})["scaler"]
+    # magic, kind, ndim 0, four 4-byte leaves, CRC-32: 26 bytes, one msgpack bin.
+    assert isinstance(record, bytes) and record[:4] == b"LSR1" and len(record) == 26
+    assert record[6:10] == np.float32(s.loss_scale).tobytes()
+    assert len(flax.serialization.to_state_dict(ls.StaticLossScale(2.0))) == 14
+    # Placeholders have no values to check: their leaves by name, as before.
+    abstract = flax.serialization.to_state_dict(jax.eval_shape(lambda: s))
+    assert set(abstract) == {"loss_scale", "growth_tracker", "nonfinite_tracker", "failure"}
+    assert abstract["growth_tracker"] == jax.ShapeDtypeStruct((), jnp.int32)
 
 
 @ALL_STATES
@@ -657,7 +676,9 @@ def test_flax_msgpack_round_trip_inside_a_dict(make):
     s = make()
     tree = {"scaler": s, "step": jnp.int32(7)}
     encoded = flax.serialization.msgpack_serialize(flax.serialization.to_state_dict(tree))
-    fresh = {"scaler": jax.tree.map(jnp.zeros_like, s), "step": jnp.int32(0)}
+    # A static factor is configuration: the target must have the saved one.
+    fresh_scaler = s if isinstance(s, ls.StaticLossScale) else jax.tree.map(jnp.zeros_like, s)
+    fresh = {"scaler": fresh_scaler, "step": jnp.int32(0)}
     restored = flax.serialization.from_state_dict(
         fresh, flax.serialization.msgpack_restore(encoded))
     assert_bit_identical(restored["scaler"], s)
@@ -728,3 +749,209 @@ def test_flax_round_trip_of_a_wrapped_optax_state():
     chex.assert_trees_all_equal_dtypes(restored, (params, opt_state))
     assert_bit_identical(ls.get_loss_scale(restored[1]), ls.get_loss_scale(opt_state))
     assert not math.isnan(float(ls.get_loss_scale(restored[1]).loss_scale))
+
+
+# ------------------------------------------------------- validation leniencies (issue 13)
+
+NON_NUMBERS = [np.array(5, "datetime64[ns]"), np.array(5, "timedelta64[ns]"),
+               np.array(5.0, dtype=object), np.timedelta64(5, "ns"), np.datetime64(5, "ns"),
+               np.array(b"5")]
+
+
+@pytest.mark.parametrize("value", NON_NUMBERS, ids=lambda v: f"{type(v).__name__}:{v.dtype}")
+def test_non_numeric_0d_arrays_are_refused_everywhere(value):
+    for build, name in [(lambda v: ls.StaticLossScale(v), "loss_scale"),
+                        (lambda v: ls.DynamicLossScale(init_scale=v), "init_scale"),
+                        (lambda v: ls.DynamicLossScale(growth_factor=v), "growth_factor"),
+                        (lambda v: ls.DynamicLossScale(backoff_factor=v), "backoff_factor")]:
+        with pytest.raises(ValueError, match=name):
+            build(value)
+    for path in [("values", "loss_scale"), ("values", "growth_tracker"),
+                 ("config", "growth_factor"), ("config", "growth_interval")]:
+        d = state_dict(ls.DynamicLossScale(init_scale=4.0))
+        d[path[0]][path[1]] = value
+        with pytest.raises(ValueError, match=".".join(path)):
+            from_state_dict(d)
+
+
+def test_numeric_0d_arrays_are_still_numbers():
+    for value in (np.array(4.0), np.float16(4.0), jnp.bfloat16(4.0), jnp.asarray(4),
+                  np.int64(4)):
+        assert float(ls.StaticLossScale(value).loss_scale) == 4.0
+        d = state_dict(ls.StaticLossScale(2.0))
+        d["values"]["loss_scale"] = value
+        assert float(from_state_dict(d).loss_scale) == 4.0
+
+
+@pytest.mark.parametrize("factor", [1e-45, TINY / 2, float(np.nextafter(np.float32(TINY), 0))])
+def test_a_subnormal_backoff_factor_is_refused(factor):
+    # Accepted before, and the first overflow then failed the run: XLA on CPU reads a
+    # subnormal operand as 0, so every backoff gave a zero scale.
+    with pytest.raises(ValueError, match="backoff_factor must be a normal float32"):
+        ls.DynamicLossScale(backoff_factor=factor)
+    d = state_dict(ls.DynamicLossScale())
+    d["config"]["backoff_factor"] = factor
+    with pytest.raises(ValueError, match="config.backoff_factor must be a normal float32"):
+        from_state_dict(d)
+
+
+@MAYBE_JIT
+def test_the_smallest_normal_backoff_factor_backs_off(maybe_jit):
+    s = ls.DynamicLossScale(init_scale=F32_MAX, backoff_factor=TINY)
+    backed_off = maybe_jit(ls.update)(s, False)
+    assert int(backed_off.failure) == 0
+    assert float(backed_off.loss_scale) == float(np.float32(F32_MAX) * np.float32(TINY))
+
+
+# ----------------------------------------------- flax.serialization: layout and record
+
+def flax_restore(target, state):
+    return flax.serialization.from_state_dict({"opt": {"scaler": target}},
+                                              {"opt": {"scaler": state}})["opt"]["scaler"]
+
+
+@pytest.mark.parametrize("bad", [
+    np.zeros((0,), np.float32), np.full((2, 2), 8.0, np.float32), [8.0], [[8.0]],
+    np.full((1,), 8.0, np.float32)], ids=["empty", "2d", "list", "nested_list", "replicated"])
+def test_flax_restore_checks_shapes_against_the_target(bad):
+    state = {"loss_scale": bad, "growth_tracker": np.int32(0), "nonfinite_tracker": np.int32(0)}
+    with pytest.raises(ValueError, match=r"'./opt/scaler'.*loss_scale has shape"):
+        flax_restore(saved_state(), state)
+    with pytest.raises(ValueError, match=r"loss_scale has shape"):
+        flax_restore(ls.StaticLossScale(8.0), {"loss_scale": bad})
+
+
+def test_flax_bytes_of_a_replicated_state_restore_only_into_a_replicated_target():
+    s = saved_state()
+    replicated = jax.tree.map(lambda x: jnp.stack([x] * 2), s)
+    data = flax.serialization.to_bytes(replicated)
+    with pytest.raises(ValueError, match=r"loss_scale has shape \(2,\), the target's has "
+                                         r"shape \(\): .*replicate"):
+        flax.serialization.from_bytes(s, data)
+    restored = flax.serialization.from_bytes(jax.tree.map(jnp.zeros_like, replicated), data)
+    assert_bit_identical(restored, replicated)
+    # ...and the other way round: unreplicated bytes into a replicated target.
+    with pytest.raises(ValueError, match=r"shape \(\), the target's has shape \(2,\)"):
+        flax.serialization.from_bytes(replicated, flax.serialization.to_bytes(s))
+
+
+@MAYBE_JIT
+def test_a_restored_scalar_state_keeps_scalar_params_scalar(maybe_jit):
+    # The issue's symptom: a (1,) scale from replicated bytes turned scalar params into (1,).
+    tx = ls.with_loss_scaling(optax.sgd(0.1), ls.DynamicLossScale(init_scale=8.0))
+    params = jnp.float32(1.0)
+    opt_state = tx.init(params)
+    data = flax.serialization.to_bytes(opt_state)
+    restored = flax.serialization.from_bytes(tx.init(params), data)
+    updates, _ = maybe_jit(tx.update)(jnp.float32(8.0), restored, params)
+    assert optax.apply_updates(params, updates).shape == ()
+
+
+def test_flax_restore_refuses_a_different_static_factor_and_accepts_a_placeholder():
+    data = flax.serialization.to_bytes({"scaler": ls.StaticLossScale(128.0)})
+    with pytest.raises(ValueError, match=r"'./scaler'.*loss_scale: saved \[?128.0\]?, the "
+                                         r"target's StaticLossScale factor is \[?1024.0"):
+        flax.serialization.from_bytes({"scaler": ls.StaticLossScale(1024.0)}, data)
+    same = flax.serialization.from_bytes({"scaler": ls.StaticLossScale(128.0)}, data)
+    assert float(same["scaler"].loss_scale) == 128.0
+    placeholder = jax.tree.map(lambda _: None, {"scaler": ls.StaticLossScale(1024.0)})
+    assert float(flax.serialization.from_bytes(placeholder, data)["scaler"].loss_scale) == 128.0
+
+
+def test_flax_bytes_written_before_the_record_still_restore():
+    s = saved_state()
+    old_dict = {"loss_scale": np.asarray(s.loss_scale), "growth_tracker": np.int32(3),
+                "nonfinite_tracker": np.int32(0)}          # no `failure`, no record
+    old_bytes = flax.serialization.msgpack_serialize({"scaler": old_dict})
+    restored = flax.serialization.from_bytes({"scaler": target()}, old_bytes)["scaler"]
+    assert_bit_identical(restored, s)
+
+
+def flip(data: bytes, bit: int) -> bytes:
+    out = bytearray(data)
+    out[bit // 8] ^= 1 << (bit % 8)
+    return bytes(out)
+
+
+def test_a_bit_flip_in_the_scale_that_stays_in_range_is_refused():
+    s = saved_state()
+    data = flax.serialization.to_bytes(s)
+    offset = data.index(np.float32(s.loss_scale).tobytes())
+    for bit in range(23):              # every mantissa bit: another valid, in-range scale
+        with pytest.raises(ValueError, match=r"'\.'.*fails its CRC-32 check"):
+            flax.serialization.from_bytes(target(), flip(data, 8 * offset + bit))
+
+
+@pytest.mark.parametrize("make", [dynamic_after_overflows, STATES["static"]],
+                         ids=["dynamic", "static"])
+def test_every_single_bit_flip_and_truncation_of_to_bytes_is_refused(make):
+    s = make()
+    fresh = s if isinstance(s, ls.StaticLossScale) else target()
+    data = flax.serialization.to_bytes(s)
+    corrupted = [flip(data, bit) for bit in range(8 * len(data))]
+    corrupted += [data[:n] for n in range(len(data))]
+    named = 0
+    for bad in corrupted:
+        with pytest.raises(ValueError, match="loss-scale state") as info:
+            ls.from_bytes(fresh, bad)
+        # flax's own from_bytes: a ValueError too; it names the field unless msgpack itself
+        # failed on the record's 2-byte header or on a truncation.
+        with pytest.raises(ValueError) as flax_info:
+            flax.serialization.from_bytes(fresh, bad)
+        named += "loss-scale state" in str(flax_info.value)
+        assert "cannot" in str(info.value)
+    assert named >= 8 * (len(data) - 2) - 16   # all but the header's bits and truncations
+
+
+def test_from_bytes_turns_decoding_errors_outside_the_loss_scale_into_value_errors():
+    tx = ls.with_loss_scaling(optax.sgd(0.1), ls.DynamicLossScale(init_scale=8.0))
+    tree = {"params": np.arange(3.0, dtype=np.float32), "opt": tx.init(jnp.zeros(3))}
+    data = flax.serialization.to_bytes(tree)
+    # A dtype name of the params array made undecodable: flax raises TypeError there.
+    name = data.index(b"float32")
+    bad = data[:name] + b"\xffloat32" + data[name + 7:]
+    with pytest.raises(Exception) as info:
+        flax.serialization.from_bytes(tree, bad)
+    assert not isinstance(info.value, ValueError) or "loss-scale" not in str(info.value)
+    with pytest.raises(ValueError, match=r"loss-scale state at './opt/scaler'"):
+        ls.from_bytes(tree, bad)
+
+
+def test_restore_with_config_keeps_a_failure_and_the_targets_layout():
+    failed = jax.jit(ls.update)(ls.DynamicLossScale(init_scale=TINY), False)
+    assert int(failed.failure) != 0
+    adopted = restore_with_config(failed, ls.DynamicLossScale(init_scale=1.0, min_scale=TINY))
+    assert int(adopted.failure) == int(failed.failure)    # never healed silently
+    with pytest.raises(ls.LossScaleError):
+        ls.check(adopted)
+    replicated = jax.tree.map(lambda x: jnp.stack([x, x]), target())
+    s = restore_with_config(saved_state(), replicated)
+    assert all(leaf.shape == (2,) for leaf in jax.tree.leaves(s))
+    assert s.loss_scale.tolist() == [float(saved_state().loss_scale)] * 2
+    static = restore_with_config(ls.StaticLossScale(8.0), jax.tree.map(
+        lambda x: jnp.stack([x, x]), ls.StaticLossScale(4.0)))
+    assert static.loss_scale.tolist() == [4.0, 4.0]
+
+
+leaf_junk = (junk | st.binary(max_size=40)
+             | st.builds(np.asarray, st.lists(st.floats(width=32), max_size=3))
+             | st.sampled_from([np.array(5, "datetime64[ns]"), np.array(1.0, dtype=object),
+                                np.zeros((0,), np.int32), np.float16(2.0), np.int8(1)]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(state=leaf_junk | st.fixed_dictionaries(
+    {"loss_scale": leaf_junk, "growth_tracker": leaf_junk, "nonfinite_tracker": leaf_junk},
+    optional={"failure": leaf_junk}))
+def test_flax_restore_of_hostile_state_is_a_valid_state_or_a_value_error(state):
+    try:
+        restored = flax_restore(saved_state(), state)
+    except ValueError as error:
+        assert "'./opt/scaler'" in str(error)
+        return
+    # Accepted: scalars of the right dtypes, valid for the target's configuration.
+    assert isinstance(restored, ls.DynamicLossScale)
+    for leaf, dtype in zip(jax.tree.leaves(restored), (jnp.float32,) + (jnp.int32,) * 3,
+                           strict=True):
+        assert leaf.shape == () and leaf.dtype == dtype
+    ls.from_state_dict(state_dict(restored))   # it is a valid state
