@@ -44,7 +44,8 @@ def make_params(total: float, leaves: int, seed: int = 0) -> dict[str, jax.Array
     sizes = np.maximum((weights / weights.sum() * total).astype(int), 1)
     params = {}
     for i, size in enumerate(sizes):
-        shape = (int(size),) if i % 2 else (int(size) // 1000 or 1, 1000)
+        width = min(1000, int(size))
+        shape = (int(size),) if i % 2 else (int(size) // width, width)
         params[f"leaf_{i:02d}"] = jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02)
     return params
 

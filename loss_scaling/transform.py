@@ -489,19 +489,32 @@ def _finite_leaves(grads: Any, inverse: tree.Reciprocal | None,
     if inverse is not None:
         small_reciprocal = (inverse.normal <= 1) | (inverse.post < 1)
 
-    def leaf_flag(g: Any) -> jax.Array:
+    def screen(g: Any) -> jax.Array:
         if not tree.is_floating(g):
             return jnp.asarray(True)
         accumulate = g.dtype if jnp.issubdtype(g.dtype, jnp.complexfloating) \
             else tree.compute_dtype(g.dtype)
-        cleared = jnp.isfinite(jnp.sum(g, dtype=accumulate)) & small_reciprocal
-        return _skip_cond(cleared, lambda _: jnp.asarray(True),
-                          lambda _: tree.unscaled_leaf_finite(g, inverse), None)
+        return jnp.isfinite(jnp.sum(g, dtype=accumulate)) & small_reciprocal
 
-    flags = jnp.stack([leaf_flag(g) for g in leaves])
-    if axis_name is not None:
-        flags = lax.pmin(flags.astype(jnp.int32), axis_name) == 1
-    return flags, flags.all()
+    cleared = [screen(g) for g in leaves]
+    all_cleared = jnp.stack(cleared).all()
+    if axis_name is not None:  # the branch must be the same on every replica
+        all_cleared = lax.pmin(all_cleared.astype(jnp.int32), axis_name) == 1
+
+    def exact(_: Any) -> tuple[jax.Array, jax.Array]:
+        # Only the leaves the screen did not clear are read again (a skipped step reads
+        # the gradients about once more only where they overflowed).
+        flags = jnp.stack([
+            _skip_cond(ok, lambda _: jnp.asarray(True),
+                       lambda _, g=g: tree.unscaled_leaf_finite(g, inverse), None)
+            for ok, g in zip(cleared, leaves, strict=True)])
+        if axis_name is not None:
+            flags = lax.pmin(flags.astype(jnp.int32), axis_name) == 1
+        return flags, flags.all()
+
+    n = len(leaves)
+    return _skip_cond(all_cleared, lambda _: (jnp.ones((n,), jnp.bool_), jnp.asarray(True)),
+                      exact, None)
 
 
 def _check(core: _Core, grads: Any, state: LossScalingState, extra_args: dict) -> _Check:
