@@ -501,13 +501,16 @@ def _finite_leaves(grads: Any, inverse: tree.Reciprocal | None,
     if axis_name is not None:  # the branch must be the same on every replica
         all_cleared = lax.pmin(all_cleared.astype(jnp.int32), axis_name) == 1
 
+    def leaf_exact(ok: jax.Array, g: Any) -> jax.Array:
+        def recheck(_: Any) -> jax.Array:
+            return tree.unscaled_leaf_finite(g, inverse)
+
+        return _skip_cond(ok, lambda _: jnp.asarray(True), recheck, None)
+
     def exact(_: Any) -> tuple[jax.Array, jax.Array]:
         # Only the leaves the screen did not clear are read again (a skipped step reads
         # the gradients about once more only where they overflowed).
-        flags = jnp.stack([
-            _skip_cond(ok, lambda _: jnp.asarray(True),
-                       lambda _, g=g: tree.unscaled_leaf_finite(g, inverse), None)
-            for ok, g in zip(cleared, leaves, strict=True)])
+        flags = jnp.stack([leaf_exact(ok, g) for ok, g in zip(cleared, leaves, strict=True)])
         if axis_name is not None:
             flags = lax.pmin(flags.astype(jnp.int32), axis_name) == 1
         return flags, flags.all()
