@@ -21,6 +21,8 @@ SLOW_MODULES = (
     "tests/test_static_checks.py",  # mypy and ruff over the package
     "tests/test_update_rule.py",  # hypothesis against the reference model
     "tests/test_torch_reference.py",  # imports torch; PyTorch's kernels on every bit pattern
+    "tests/test_restore_devices.py",  # subprocesses on 8 devices and on 2 processes
+    "tests/test_restore_fuzz.py",  # hypothesis over corrupted bytes and checkpoint files
 )
 
 # Tests that use these (module-scoped, expensive) fixtures.
@@ -52,6 +54,16 @@ SLOW_TESTS = (
     "tests/test_equinox.py::test_plain_and_fused_paths_agree",
     "tests/test_equinox.py::test_a_skipped_step_keeps_the_forward_pass_state_and_nothing_else",
     "tests/test_docs.py::test_python_block_runs_on_virtual_devices",
+    "tests/test_nnx.py::test_value_and_grad_uses_the_optimizers_wrt_filter",
+    "tests/test_nnx.py::test_a_skipped_step_keeps_the_forward_pass_updates_and_nothing_else",
+    "tests/test_checkpoint.py::test_nnx_resume_through_the_orbax_helpers_is_bit_identical",
+    "tests/test_checkpoint.py::test_nnx_helpers_refuse_a_changed_config",
+    "tests/test_checkpoint.py::test_the_guides_blocks_run",
+    "tests/test_nnx.py::test_ls_nnx_optimizer_without_loss_scaling_is_a_plain_nnx_optimizer",
+    "tests/test_nnx.py::test_metrics_through_nnx_state_equal_the_optimizers",
+    "tests/test_nnx.py::test_check_reads_a_failure_from_the_optimizer_its_state_and_split",
+    "tests/test_equinox.py::test_a_wrong_first_argument_says_what_it_must_be",
+    "tests/test_beyond.py::test_loss_scale_for_in_a_wrapper_train_step",
 )
 
 
