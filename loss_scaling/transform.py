@@ -415,7 +415,7 @@ def _warn_low_precision_state(params: Any, inner_state: Any) -> None:
 def _underflow_stats(grads: Any, inverse: tree.Reciprocal | None) -> UnderflowStats:
     """Per leaf: the fractions of exact zeros (in the scaled gradients, as the backward pass
     left them), and of nonzero entries below float16's smallest normal once unscaled (in
-    float32); reductions the compiler fuses with the finite test."""
+    float32): one more read of the gradients, opt-in."""
     zero, small, size = [], [], []
     for g in jax.tree.leaves(grads):
         size.append(jnp.size(g) if tree.is_floating(g) else 0)  # weighs the overall fractions
@@ -445,10 +445,7 @@ def _reciprocal(scaler: LossScale) -> tree.Reciprocal | None:
 
 
 def _unscale(grads: Any, inverse: tree.Reciprocal | None) -> Any:
-    if inverse is None:
-        return grads
-    return jax.tree.map(lambda g: tree.unscale_leaf(g, inverse) if tree.is_floating(g) else g,
-                        grads)
+    return grads if inverse is None else tree.unscale_tree(grads, inverse)
 
 
 def _unscale_extra_args(extra_args: dict[str, Any],
@@ -463,8 +460,7 @@ class _Check(NamedTuple):
     grads_finite: jax.Array
     loss_finite: jax.Array
     leaf_finite: jax.Array  # one flag per gradient leaf
-    names_from: Any  # the gradients' structure, to name their leaves in messages
-    grads: Any  # the scaled gradients (for the opt-in underflow statistics)
+    grads: Any  # the scaled gradients (their leaves' names, the underflow statistics)
     inverse: tree.Reciprocal | None  # the scale's reciprocal, computed once per step
 
 
@@ -544,7 +540,7 @@ def _check(core: _Core, grads: Any, state: LossScalingState, extra_args: dict) -
     if inverse is not None:
         healthy &= scalers.is_positive_normal(state.scaler.loss_scale)
     return _Check(healthy & grads_finite & loss_finite, healthy, grads_finite, loss_finite,
-                  leaf_finite, jax.tree.map(lambda _: 0, grads), grads, inverse)
+                  leaf_finite, grads, inverse)
 
 
 def _next_state(core: _Core, state: LossScalingState, inner_state: Any,
@@ -597,7 +593,7 @@ def _next_state(core: _Core, state: LossScalingState, inner_state: Any,
         clean_growths=clean_growths,
         underflow=underflow,
     )
-    _report(core, new_state, fails, leaf_names(check.names_from))
+    _report(core, new_state, fails, leaf_names(check.grads))
     return new_state
 
 

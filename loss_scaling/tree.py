@@ -163,10 +163,14 @@ def unscale_leaf(x: jax.Array, inverse: Reciprocal, cast_back: bool = True) -> j
         x, lambda part: ((part.astype(compute) * inverse.normal) * inverse.post).astype(dtype))
 
 
+def unscale_tree(tree: Any, inverse: Reciprocal) -> Any:
+    """Every floating leaf of ``tree`` times the reciprocal (:func:`unscale_leaf`)."""
+    return jax.tree.map(lambda x: unscale_leaf(x, inverse) if is_floating(x) else x, tree)
+
+
 @jax.jit
 def _unscale(factor: jax.Array, tree: Any) -> Any:
-    inverse = reciprocal(factor)
-    return jax.tree.map(lambda x: unscale_leaf(x, inverse) if is_floating(x) else x, tree)
+    return unscale_tree(tree, reciprocal(factor))
 
 
 def scale(state: LossScale, tree: Any) -> Any:
