@@ -470,46 +470,49 @@ def _finite_leaves(grads: Any, inverse: tree.Reciprocal | None,
 
     On XLA CPU a plain sum is a vectorized read, while any reduction with an elementwise
     producer (the unscale, ``abs``) runs about three times slower (benchmarks/
-    step_breakdown.py). So the CPU step first screens each leaf with ``sum(g)``: a finite
+    step_breakdown.py). So the CPU step first screens the leaves with plain sums: a finite
     sum proves every entry finite, and with a scale of at least 1 (a reciprocal of at most
     1) unscaling a finite entry cannot overflow, also not when cast back to a narrow dtype.
-    Only a leaf the screen does not clear (an inf or NaN, which is then skipped anyway, a
-    sum that overflowed, or any leaf at a scale below 1) runs the exact test, under a
-    conditional. Other backends run the exact test directly: a conditional can cost them
-    a host round trip.
+    Only a group the screen does not clear (an inf or NaN, which is then skipped anyway, a
+    sum that overflowed, or everything at a scale below 1) runs the exact test, under a
+    conditional. Small leaves are screened and tested together
+    (:func:`loss_scaling.tree.leaf_groups`): on XLA CPU every kernel of the executable
+    costs about a microsecond per run, those in a branch not taken included, and a small
+    model is all small leaves. Other backends run the exact test directly: a conditional
+    can cost them a host round trip.
     """
     leaves = jax.tree.leaves(grads)
-    if jax.default_backend() != "cpu" or not any(tree.is_floating(g) for g in leaves):
+    groups = tree.leaf_groups(leaves)
+    if jax.default_backend() != "cpu" or not groups:
         return tree.unscaled_finite_leaves(grads, inverse, axis_name)
     small_reciprocal = jnp.asarray(True)
     if inverse is not None:
         small_reciprocal = (inverse.normal <= 1) | (inverse.post < 1)
-
-    def screen(g: Any) -> jax.Array:
-        if not tree.is_floating(g):
-            return jnp.asarray(True)
-        accumulate = g.dtype if jnp.issubdtype(g.dtype, jnp.complexfloating) \
-            else tree.compute_dtype(g.dtype)
-        return jnp.isfinite(jnp.sum(g, dtype=accumulate)) & small_reciprocal
-
-    cleared = [screen(g) for g in leaves]
+    cleared = [tree.sum_screen(leaves, group) & small_reciprocal for group in groups]
     all_cleared = jnp.stack(cleared).all()
     if axis_name is not None:  # the branch must be the same on every replica
         all_cleared = lax.pmin(all_cleared.astype(jnp.int32), axis_name) == 1
 
-    def leaf_exact(ok: jax.Array, g: Any) -> jax.Array:
+    def group_exact(ok: jax.Array, group: tree.LeafGroup) -> jax.Array:
         def recheck(_: Any) -> jax.Array:
-            return tree.unscaled_leaf_finite(g, inverse)
+            return tree.unscaled_group_finite(leaves, group, inverse)
 
-        return _skip_cond(ok, lambda _: jnp.asarray(True), recheck, None)
+        if group.joined:  # a few small kernels: cheaper than a conditional around them
+            return recheck(None)
+        # A large leaf is read again only if the screen did not clear it: a skipped step
+        # rereads about what overflowed, not the whole model.
+        return _skip_cond(ok, lambda _: jnp.ones((1,), jnp.bool_), recheck, None)
 
     def exact(_: Any) -> tuple[jax.Array, jax.Array]:
-        # Only the leaves the screen did not clear are read again (a skipped step reads
-        # the gradients about once more only where they overflowed).
-        flags = jnp.stack([leaf_exact(ok, g) for ok, g in zip(cleared, leaves, strict=True)])
+        flags = [jnp.asarray(True)] * len(leaves)
+        for ok, group in zip(cleared, groups, strict=True):
+            group_flags = group_exact(ok, group)
+            for position, i in enumerate(group.indices):
+                flags[i] = group_flags[position]
+        stacked = jnp.stack(flags)
         if axis_name is not None:
-            flags = lax.pmin(flags.astype(jnp.int32), axis_name) == 1
-        return flags, flags.all()
+            stacked = lax.pmin(stacked.astype(jnp.int32), axis_name) == 1
+        return stacked, stacked.all()
 
     n = len(leaves)
     return _skip_cond(all_cleared, lambda _: (jnp.ones((n,), jnp.bool_), jnp.asarray(True)),

@@ -333,3 +333,100 @@ def unscaled_finite_leaves(
         return jnp.ones((0,), jnp.bool_), jnp.asarray(True)
     stacked = _and_over_axes(jnp.stack(flags), axis_name)
     return stacked, stacked.all()
+
+
+# ------------------------------------------------------------- small leaves, together
+
+SMALL_LEAF = 2**12
+"""Leaves of at most this many entries are tested together (see :func:`leaf_groups`)."""
+GROUP_ENTRIES = 2**16
+"""The most entries in one group: its concatenated copy stays a few hundred KiB."""
+
+
+class LeafGroup(NamedTuple):
+    """Leaves (indices into a leaf list) that a finiteness test reads as one vector.
+
+    ``joined`` groups hold small leaves of one dtype, concatenated; otherwise the group is
+    one large leaf, read in place.
+    """
+
+    indices: tuple[int, ...]
+    joined: bool
+
+
+def _sharded_in_type(x: Any) -> bool:
+    """Whether ``x``'s type splits it over mesh axes (explicit sharding), which a
+    concatenation cannot flatten without a resharding."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return spec is not None and any(axes is not None for axes in spec)
+
+
+def leaf_groups(leaves: Sequence[Any]) -> list[LeafGroup]:
+    """Partitions the floating, non-empty leaves for the finiteness tests on XLA CPU.
+
+    Each kernel of an XLA CPU executable costs about a microsecond per run, which is all a
+    reduction over a small leaf takes, and a model has dozens of small leaves (biases,
+    norms). Leaves of at most :data:`SMALL_LEAF` entries are therefore concatenated, per
+    dtype and up to :data:`GROUP_ENTRIES` entries, and tested as one vector; a larger leaf,
+    or one whose type is sharded over a mesh axis, is tested on its own. Integer, bool
+    and empty leaves are in no group (always finite).
+    """
+    groups: list[LeafGroup] = []
+    open_groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if not is_floating(x) or not jnp.size(x):
+            continue
+        if jnp.size(x) > SMALL_LEAF or _sharded_in_type(x):
+            groups.append(LeafGroup((i,), joined=False))
+            continue
+        dtype = jnp.result_type(x)
+        members = open_groups.setdefault(dtype, [])
+        if sum(jnp.size(leaves[j]) for j in members) + jnp.size(x) > GROUP_ENTRIES:
+            groups.append(LeafGroup(tuple(members), joined=True))
+            members.clear()
+        members.append(i)
+    groups.extend(LeafGroup(tuple(m), joined=True) for m in open_groups.values() if m)
+    return groups
+
+
+def _joined(leaves: Sequence[Any], group: LeafGroup) -> jax.Array:
+    """The group's leaves as one vector: the leaf itself, or a concatenated copy.
+
+    The barrier keeps XLA from splitting a reduction of the concatenation back into one
+    reduction per leaf, which is what the group is there to avoid.
+    """
+    if not group.joined:
+        return jnp.asarray(leaves[group.indices[0]])
+    joined = jnp.concatenate([jnp.ravel(jnp.asarray(leaves[i])) for i in group.indices])
+    return lax.optimization_barrier(joined)
+
+
+def sum_screen(leaves: Sequence[Any], group: LeafGroup) -> jax.Array:
+    """Whether a plain sum proves the group's leaves free of inf and NaN (a scalar bool).
+
+    An inf or NaN entry makes a sum inf or NaN, so a finite sum proves every entry finite;
+    a sum that overflowed proves nothing and reads ``False``. On XLA CPU a plain sum is
+    the cheapest reduction there is: one vectorized read.
+    """
+    x = _joined(leaves, group)
+    accumulate = x.dtype if jnp.issubdtype(x.dtype, jnp.complexfloating) \
+        else compute_dtype(x.dtype)
+    return jnp.isfinite(jnp.sum(x, dtype=accumulate))
+
+
+def unscaled_group_finite(leaves: Sequence[Any], group: LeafGroup,
+                          inverse: Reciprocal | None) -> jax.Array:
+    """Per leaf of the group, :func:`unscaled_leaf_finite` (a bool vector).
+
+    A large leaf is one fused reduction; a joined group is unscaled element by element
+    (one dtype, so exactly as each leaf alone) and its flags gathered per leaf by a
+    segment reduction: a few kernels for any number of small leaves.
+    """
+    if not group.joined:
+        return unscaled_leaf_finite(leaves[group.indices[0]], inverse)[None]
+    joined = _joined(leaves, group)
+    finite = jnp.isfinite(joined if inverse is None else unscale_leaf(joined, inverse))
+    sizes = [jnp.size(leaves[i]) for i in group.indices]
+    segments = jnp.asarray(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes))
+    return jax.ops.segment_min(finite.astype(jnp.int32), segments, len(sizes),
+                               indices_are_sorted=True) == 1

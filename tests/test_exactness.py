@@ -13,6 +13,7 @@ kernels are a second, differential reference (tests/test_torch_reference.py).
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 import chex
 import jax
@@ -226,6 +227,49 @@ def test_the_wrapper_decides_exactly_as_all_finite_of_unscale(tree, scale):
         assert_bit_identical(bits(expected), updates)
         flags = np.asarray(new_state.nonfinite_grads)
         assert flags.tolist() == [not all_finite_reference(x, scale) for x in tree.values()]
+
+
+small_group_trees = st.lists(leaves(), min_size=1, max_size=8).map(
+    lambda xs: {f"leaf{i}": x for i, x in enumerate(xs)})
+
+
+@settings(max_examples=40, deadline=None)
+@given(tree=small_group_trees, scale=scales)
+@example(tree={f"leaf{i}": np.asarray([1.0, 2.0, 3.0], np.float32) for i in range(5)}
+         | {"leaf5": np.asarray([1.0, np.inf, 3.0, 4.0, 5.0], np.float32)}, scale=2.0**15)
+def test_grouped_small_leaves_are_flagged_leaf_by_leaf(tree, scale):
+    """The CPU step tests small leaves concatenated, per dtype (``tree.leaf_groups``).
+    With tiny thresholds the same trees mix joined groups, full groups that spill into a
+    new one and large single leaves: the decision and every per-leaf flag still equal the
+    reference, on the plain and the fused path."""
+    grads = jax.tree.map(jnp.asarray, tree)
+    flags_want = [not all_finite_reference(x, scale) for x in tree.values()]
+    s = ls.StaticLossScale(scale)
+    tx = ls.with_loss_scaling(optax.identity(), s)
+    with mock.patch.object(ls_tree, "SMALL_LEAF", 4), \
+            mock.patch.object(ls_tree, "GROUP_ENTRIES", 9):
+        groups = ls_tree.leaf_groups(jax.tree.leaves(grads))
+        assert sorted(i for g in groups for i in g.indices) == list(range(len(tree)))
+        fused = functools.partial(ls.apply_gradients, tx)
+        for step in (plain(tx), jax.jit(plain(tx)), jax.jit(fused)):
+            _, new_state = step(grads, tx.init(grads), grads)
+            assert bool(new_state.last_step_finite) == (not any(flags_want)), (tree, scale)
+            assert np.asarray(new_state.nonfinite_grads).tolist() == flags_want
+
+
+def test_leaf_groups_join_small_leaves_of_one_dtype_up_to_the_cap():
+    f32, f16 = jnp.float32, jnp.float16
+    sizes = [3, 5000, 3, 0, 4096, 4097, 2]
+    leaves = [jnp.ones((n,), f32) for n in sizes] + [jnp.ones((2,), f16), jnp.int32(3)]
+    groups = ls_tree.leaf_groups(leaves)
+    # Small float32 leaves together (the empty one is in no group), float16 apart, the
+    # two larger than SMALL_LEAF (4096) on their own, the integer leaf nowhere.
+    assert groups == [ls_tree.LeafGroup((1,), False), ls_tree.LeafGroup((5,), False),
+                      ls_tree.LeafGroup((0, 2, 4, 6), True), ls_tree.LeafGroup((7,), True)]
+    many = [jnp.ones((4000,), f32) for _ in range(40)]  # 160,000 entries
+    joined = ls_tree.leaf_groups(many)
+    assert [len(g.indices) for g in joined] == [16, 16, 8]
+    assert all(sum(many[i].size for i in g.indices) <= ls_tree.GROUP_ENTRIES for g in joined)
 
 
 def test_sums_that_overflow_no_longer_skip_finite_steps():
