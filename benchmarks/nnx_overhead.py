@@ -11,7 +11,10 @@ with the state donated. Rows:
   settings (the fused step), on finite and on overflowing gradients;
 * the same wrapper in a plain ``nnx.Optimizer`` (the plain path), for comparison;
 * the same two steps without nnx (``optax.adam`` and ``ls.apply_gradients`` on the params
-  dict, as in ``benchmarks/overhead.py``): what the nnx layer itself costs.
+  dict, as in ``benchmarks/overhead.py``): what the nnx layer itself costs;
+* the README's step: ``@nnx.jit(donate_argnums=(0, 1))`` on ``(model, optimizer, grads)``,
+  bare and fused, and both again without donation. These rows' ratios are to the bare step
+  compiled the same way (``nnx.jit`` adds its own Python work per call).
 
 Variants run interleaved, round after round; each is timed with one step per
 ``block_until_ready`` and pipelined (``--steps`` steps, then one block). Ratios are medians
@@ -107,6 +110,26 @@ def make_optax_variant(params: dict[str, np.ndarray], fused: bool) -> tuple[Call
     return fn, carry, grads, temp
 
 
+def make_nnx_jit_variant(params: dict[str, np.ndarray], optimizer_cls: type, tx: Any,
+                         grads_scale: float, donate: bool) -> tuple[Callable, Any, Any, int]:
+    """The step as the README writes it: ``nnx.jit`` on the objects, updating in place."""
+    model = Model(params)
+    optimizer = optimizer_cls(model, tx, wrt=nnx.Param)
+    grads = jax.tree.map(lambda p: p * (1e-3 * grads_scale), nnx.state(model, nnx.Param))
+
+    @nnx.jit(donate_argnums=(0, 1) if donate else ())
+    def train_step(model: Any, optimizer: Any, grads: Any) -> None:
+        optimizer.update(model, grads)
+
+    def step(state: Any, grads: Any) -> Any:
+        train_step(*state, grads)
+        return state  # the objects themselves; block_until_ready sees their arrays
+
+    state = (model, optimizer)
+    jax.block_until_ready(step(state, grads))  # compile and warm up
+    return step, state, grads, 0
+
+
 def _time(fn: Any, state: Any, grads: Any, steps: int, sync_each: bool) -> tuple[float, Any]:
     start = time.perf_counter()
     for _ in range(steps):
@@ -146,6 +169,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, fused in (("without nnx: optax.adam", False),
                         ("without nnx: ls.apply_gradients, default, finite", True)):
         compiled[name], states[name], grads[name], temp[name] = make_optax_variant(params, fused)
+    nnx_jit_base = "@nnx.jit, donated: bare nnx.Optimizer(adam)"
+    nnx_jit_not_donated_base = "@nnx.jit, not donated: bare nnx.Optimizer(adam)"
+    baseline = dict.fromkeys(compiled, "bare nnx.Optimizer(adam)")
+    for donate, base_name in ((True, nnx_jit_base), (False, nnx_jit_not_donated_base)):
+        prefix = base_name.split(":")[0]
+        for name, cls, tx, scale in (
+                (base_name, nnx.Optimizer, optax.adam(1e-3), 1.0),
+                (f"{prefix}: ls.nnx.Optimizer (fused), default, finite", ls.nnx.Optimizer,
+                 wrapped(), SCALE)):
+            compiled[name], states[name], grads[name], temp[name] = make_nnx_jit_variant(
+                params, cls, tx, scale, donate)
+            baseline[name] = base_name
     names = list(compiled)
 
     modes = {"sync": True, "pipelined": False}
@@ -157,8 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                               args.steps, sync_each)
                 times[mode][name].append(elapsed)
 
-    base_name = "bare nnx.Optimizer(adam)"
-    base = {m: statistics.median(times[m][base_name]) for m in modes}
+    base = {m: statistics.median(times[m]["bare nnx.Optimizer(adam)"]) for m in modes}
     print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} "
           f"params={n_params / 1e6:.3f}M leaves={len(params)} rounds={args.rounds} "
           f"steps/round={args.steps}")
@@ -167,11 +201,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("| variant | block every step | pipelined | XLA temp bytes |\n|---|---:|---:|---:|")
     results = {}
     for name in names:
-        ratios = {m: statistics.median(times[m][name]) / base[m] for m in modes}
+        ratios = {m: statistics.median(times[m][name]) / statistics.median(
+            times[m][baseline[name]]) for m in modes}
         results[name] = {"ratio_sync": ratios["sync"], "ratio_pipelined": ratios["pipelined"],
                          "temp_bytes": int(temp[name])}
-        print(f"| {name} | {ratios['sync']:.2f}x | {ratios['pipelined']:.2f}x | "
-              f"{temp[name] / 2**20:,.2f} MiB |")
+        temp_text = "n/a" if name.startswith("@nnx.jit") else f"{temp[name] / 2**20:,.2f} MiB"
+        print(f"| {name} | {ratios['sync']:.2f}x | {ratios['pipelined']:.2f}x | {temp_text} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"backend": jax.default_backend(), "params": int(n_params),
