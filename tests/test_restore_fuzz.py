@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import gc
 import pathlib
 import shutil
 import tempfile
@@ -137,7 +138,15 @@ def checkpoint():
 
 
 # Orbax abandons its pending reads when one fails; their coroutines are then reported as
-# unraisable exceptions ("Event loop is closed") when collected: Orbax's, not ours.
+# unraisable exceptions ("Event loop is closed") when collected: Orbax's, not ours. They
+# are collected in this test's teardown (the fixture below), where the filter applies.
+@pytest.fixture
+def collect_orbax_leftovers():
+    yield
+    gc.collect()
+
+
+@pytest.mark.usefixtures("collect_orbax_leftovers")
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
