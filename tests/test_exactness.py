@@ -205,7 +205,7 @@ def plain(tx):
     return step
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(tree=trees, scale=scales)
 @example(tree={"x": np.asarray([1e38] * 4, np.float32)}, scale=1.0)
 @example(tree={"x": np.asarray([65440.0, 1.0], np.float16)}, scale=0.999)
@@ -233,7 +233,7 @@ small_group_trees = st.lists(leaves(), min_size=1, max_size=8).map(
     lambda xs: {f"leaf{i}": x for i, x in enumerate(xs)})
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)  # each example compiles two steps
 @given(tree=small_group_trees, scale=scales)
 @example(tree={f"leaf{i}": np.asarray([1.0, 2.0, 3.0], np.float32) for i in range(5)}
          | {"leaf5": np.asarray([1.0, np.inf, 3.0, 4.0, 5.0], np.float32)}, scale=2.0**15)
@@ -251,7 +251,7 @@ def test_grouped_small_leaves_are_flagged_leaf_by_leaf(tree, scale):
         groups = ls_tree.leaf_groups(jax.tree.leaves(grads))
         assert sorted(i for g in groups for i in g.indices) == list(range(len(tree)))
         fused = functools.partial(ls.apply_gradients, tx)
-        for step in (plain(tx), jax.jit(plain(tx)), jax.jit(fused)):
+        for step in (jax.jit(plain(tx)), jax.jit(fused)):  # (eager: the test above)
             _, new_state = step(grads, tx.init(grads), grads)
             assert bool(new_state.last_step_finite) == (not any(flags_want)), (tree, scale)
             assert np.asarray(new_state.nonfinite_grads).tolist() == flags_want
