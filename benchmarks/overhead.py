@@ -38,6 +38,11 @@ NOT_DONATED_BASE = "bare optax.adam, not donated"
 Step = Callable[[Any, Any, Any], tuple[Any, Any]]
 
 
+def is_donated(variant: str) -> bool:
+    """Every variant donates params and optimizer state unless its name says otherwise."""
+    return "not donated" not in variant
+
+
 def make_params(total: float, leaves: int, seed: int = 0) -> dict[str, jax.Array]:
     """``leaves`` float32 arrays (matrices and vectors, as in an MLP) with ``total`` entries."""
     rng = np.random.default_rng(seed)
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, (step, init, grads) in variants.items():
         params = jax.tree.map(jnp.copy, params0)
         opt_state = init(params)
-        donate = () if "not donated" in name else (0, 1)
+        donate = (0, 1) if is_donated(name) else ()
         fn = jax.jit(step, donate_argnums=donate).lower(params, opt_state, grads).compile()
         temp_bytes[name] = fn.memory_analysis().temp_size_in_bytes
         compiled[name] = fn
@@ -226,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 times[mode][name].append(elapsed)
 
     def baseline(name: str) -> str:
-        return NOT_DONATED_BASE if "not donated" in name else "bare optax.adam"
+        return "bare optax.adam" if is_donated(name) else NOT_DONATED_BASE
 
     base = {m: statistics.median(times[m]["bare optax.adam"]) for m in modes}
     print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} "
