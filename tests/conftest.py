@@ -67,6 +67,22 @@ SLOW_TESTS = (
 )
 
 
+# The numerics-sensitive tests: they compare floating results of float16 / bfloat16 arithmetic
+# (in ulps) or assert the bits the library promises (unscale, skipped steps). XLA's float16
+# arithmetic depends on the CPU's instruction set, so .ci/run runs these once more under
+# XLA_FLAGS=--xla_cpu_max_isa=AVX2 (`pytest -m numerics`): green in CI is then green on CPUs
+# with and without native float16 arithmetic.
+NUMERICS_MODULES = (
+    "tests/test_tree.py",  # scale / unscale / all_finite, bit for bit
+    "tests/test_exactness.py",  # the exact finite test and the exact reciprocal
+)
+NUMERICS_TESTS = (
+    "tests/test_transform.py::test_finite_steps_equal_inner_on_true_gradients",
+    "tests/test_transform.py::test_clipping_inside_the_inner_chain_sees_true_gradients",
+    "tests/test_integrations.py::test_ls_train_state_fused_matches_flax_train_state_plain_and_skips_exactly",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = config.rootpath
 
@@ -90,6 +106,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if (repeated or searches or path.startswith(SLOW_MODULES) or node in SLOW_TESTS
                 or not SLOW_FIXTURES_SET.isdisjoint(getattr(item, "fixturenames", ()))):
             item.add_marker(pytest.mark.slow)
+        if path.startswith(NUMERICS_MODULES) or node in NUMERICS_TESTS:
+            item.add_marker(pytest.mark.numerics)
 
 
 SLOW_FIXTURES_SET = frozenset(SLOW_FIXTURES)

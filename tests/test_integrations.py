@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from bitwise import assert_bit_identical, bits
+from bitwise import assert_bit_identical, assert_trees_close_in_ulps, bits
 from flax import nnx
 from flax.training import train_state
 
@@ -220,7 +220,9 @@ def test_ls_train_state_fused_matches_flax_train_state_plain_and_skips_exactly()
                 assert bool(ls.metrics(state)["last_step_finite"])
                 assert changed(before, (state.params, state.opt_state.inner_state))
                 losses.append(float(loss))
-        chex.assert_trees_all_close(states["fused"].params, states["plain"].params, rtol=1e-3)
+        # float16 params, two differently fused programs: equal up to a few float16 ulps
+        # (how many depends on the CPU's float16 arithmetic; tests/bitwise.py).
+        assert_trees_close_in_ulps(states["fused"].params, states["plain"].params, max_ulps=8)
     assert losses[-1] < losses[0]
     for state in states.values():
         chex.assert_trees_all_equal_dtypes(state.params, params)

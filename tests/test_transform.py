@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from bitwise import assert_bit_identical, bits
+from bitwise import assert_bit_identical, assert_trees_close_in_ulps, bits
 
 import loss_scaling as ls
 
@@ -405,8 +405,14 @@ def test_finite_steps_equal_inner_on_true_gradients(case):
             p, opt_state = step(scaled(grads, factor), opt_state, p)
             runs[key] = (step, opt_state, p)
             chex.assert_trees_all_equal_dtypes(p, ref_params)
-            chex.assert_trees_all_close(p, ref_params, rtol=1e-6, atol=1e-7)
-            chex.assert_trees_all_close(opt_state.inner_state, ref_state, rtol=1e-6, atol=1e-7)
+            # Equal up to the rounding of differently fused float16 arithmetic, which depends
+            # on the CPU (tests/bitwise.py): a few ulps of each leaf's dtype, where a step
+            # taken on scaled or unclipped gradients is hundreds of ulps away. Clipping by
+            # the global norm couples the leaves: every leaf then has float16's precision.
+            close = functools.partial(assert_trees_close_in_ulps, max_ulps=8, floor=1e-3,
+                                      ulp_dtype=jnp.float16 if inner_name == "clip_adam" else None)
+            close(p, ref_params)
+            close(opt_state.inner_state, ref_state)
 
 
 @pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
