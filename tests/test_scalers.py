@@ -797,3 +797,33 @@ def test_noop_train_step_compiles_to_the_bare_step(maybe_jit):
     assert count(hlo[0]) == count(hlo[1])
     chex.assert_trees_all_equal(maybe_jit(with_scaling)(w, x, scaler)[0],
                                 maybe_jit(without)(w, x, scaler)[0])
+
+
+# ------------------------------- ls.check on a scale that arrived without validation
+
+
+def _with_scale(s, value, replicas=None):
+    """``s`` with its scale replaced, without validation (as unflatten or tree.map do)."""
+    leaves = jax.tree.leaves(s)
+    scale = jnp.float32(value) if replicas is None else jnp.array(
+        [2.0] * (replicas - 1) + [value], jnp.float32)
+    rest = leaves[1:] if replicas is None else [
+        jnp.broadcast_to(x, (replicas,)) for x in leaves[1:]]
+    return jax.tree.unflatten(jax.tree.structure(s), [scale, *rest])
+
+
+@pytest.mark.parametrize("value", [math.nan, 0.0, -1.0, math.inf, 1e-40])
+@pytest.mark.parametrize("where", ["dynamic", "static", "wrapper_dynamic", "wrapper_static",
+                                   "replicated_dynamic"])
+def test_check_raises_on_an_invalid_scale_of_every_kind_before_any_step(where, value):
+    import optax
+
+    kind = ls.StaticLossScale(2.0) if "static" in where else ls.DynamicLossScale()
+    if where == "replicated_dynamic":
+        state = _with_scale(kind, value, replicas=2)
+    elif where.startswith("wrapper"):
+        state = ls.with_loss_scaling(optax.sgd(0.1), _with_scale(kind, value)).init(jnp.ones(2))
+    else:
+        state = _with_scale(kind, value)
+    with pytest.raises(ls.LossScaleError, match="not a finite, positive, normal float32"):
+        ls.check(state)
