@@ -827,3 +827,44 @@ def test_check_raises_on_an_invalid_scale_of_every_kind_before_any_step(where, v
         state = _with_scale(kind, value)
     with pytest.raises(ls.LossScaleError, match="not a finite, positive, normal float32"):
         ls.check(state)
+
+
+# ------------------------------------------------------- one range for every counter
+
+INT32_MAX = 2**31 - 1
+
+
+@pytest.mark.parametrize("name", ["hysteresis", "growth_interval"])
+def test_the_largest_accepted_counter_setting_runs_and_round_trips(name):
+    import flax.serialization
+
+    s = ls.DynamicLossScale(init_scale=2.0**20, **{name: INT32_MAX})
+    d = ls.state_dict(s)
+    tracker = "nonfinite_tracker" if name == "hysteresis" else "growth_tracker"
+    d["values"][tracker] = INT32_MAX - 1   # one step from the end of the range
+    s = ls.from_state_dict(d)
+    finite = name == "growth_interval"
+    step = jax.jit(ls.update)
+    for _ in range(3):   # reaches the bound, then saturates there: never wraps
+        s = step(s, finite)
+        restored = ls.from_state_dict(ls.state_dict(s))
+        again = ls.from_bytes(ls.DynamicLossScale(**{name: INT32_MAX}),
+                              flax.serialization.to_bytes(s))
+        for other in (restored, again):
+            assert [np.asarray(x).tobytes() for x in jax.tree.leaves(other)] == [
+                np.asarray(x).tobytes() for x in jax.tree.leaves(s)]
+    if finite:   # the INT32_MAX-th clean step grew the scale, then counting restarted
+        assert (float(s.loss_scale), int(s.growth_tracker)) == (2.0**21, 2)
+    else:   # hysteresis used up: every non-finite step backs off, the tracker stays put
+        assert (float(s.loss_scale), int(s.nonfinite_tracker)) == (2.0**17, INT32_MAX)
+
+
+@pytest.mark.parametrize("name", ["hysteresis", "growth_interval"])
+def test_one_above_the_counter_range_is_refused_naming_argument_value_and_range(name):
+    message = re.escape(f"{name} must be an integer in [1, {INT32_MAX}], got {INT32_MAX + 1}")
+    with pytest.raises(ValueError, match=message):
+        ls.DynamicLossScale(**{name: INT32_MAX + 1})
+    d = ls.state_dict(ls.DynamicLossScale())
+    d["config"][name] = INT32_MAX + 1
+    with pytest.raises(ValueError, match=f"config.{message}"):
+        ls.from_state_dict(d)
