@@ -200,10 +200,35 @@ def _integer(name: str, value: Any) -> int:
 
 
 def _scale(name: str, value: Any) -> float:
+    number = _number(name, value)
     try:
-        return positive_normal_float32(name, _number(name, value))
+        as_f32 = positive_normal_float32(name, number)
     except ValueError as error:
         raise ValueError(_prefixed(error)) from None
+    return _exact_float32(name, number, as_f32)
+
+
+_NOT_FLOAT32 = (
+    "{prefix}{name} is {value!r}, which float32 does not represent exactly: the nearest "
+    "float32 values are {below!r} and {above!r}. A state dict holds float32 values exactly "
+    "(state_dict writes them so, and a JSON round trip keeps them): write one of those."
+)
+
+
+def _exact_float32(name: str, value: float, as_f32: float | None = None) -> float:
+    """``value`` if float32 holds it exactly; a ValueError naming both neighbours if not.
+
+    A value outside float32's finite normal range is left to the range checks (their
+    message says what the range is)."""
+    with np.errstate(over="ignore", under="ignore"):
+        rounded = np.float32(value)
+    if (as_f32 is None and not (np.isfinite(rounded) and abs(rounded) >= _F32.tiny)) \
+            or float(rounded) == value:
+        return value
+    step = np.float32(np.inf if float(rounded) < value else -np.inf)
+    below, above = sorted((float(rounded), float(np.nextafter(rounded, step))))
+    raise ValueError(_NOT_FLOAT32.format(prefix=_INVALID, name=name, value=value,
+                                         below=below, above=above))
 
 
 def _prefixed(error: ValueError) -> str:
@@ -249,7 +274,7 @@ def _parse(d: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
         return kind, None, {"loss_scale": loss_scale}
 
     # Each field on its own first, so that the message names the one at fault.
-    factors = {k: _number(f"config.{k}", raw_config[k])
+    factors = {k: _exact_float32(f"config.{k}", _number(f"config.{k}", raw_config[k]))
                for k in ("growth_factor", "backoff_factor")}
     ints = {}
     for k in ("growth_interval", "hysteresis"):
@@ -441,7 +466,10 @@ def from_state_dict(d: Any) -> LossScale:
     expected, bools never), a known ``format_version`` and ``kind``, a valid
     configuration, a finite, positive, normal float32 ``loss_scale`` inside
     ``[min_scale, max_scale]``, ``0 <= growth_tracker < growth_interval`` and
-    ``0 <= nonfinite_tracker <= hysteresis``.
+    ``0 <= nonfinite_tracker <= hysteresis``. Every float (the scale, the factors and the
+    bounds) must be a float32 value exactly, as :func:`state_dict` writes it: a
+    hand-written ``16777217.0`` is refused (naming float32's neighbours 16777216 and
+    16777218), never rounded silently.
 
     Args:
       d: the dict (e.g. from ``json.loads``).
