@@ -132,6 +132,31 @@ def _values(scaler: LossScale) -> dict[str, Any]:
             for name in names[type(scaler)]}
 
 
+def _in_own_dtypes(abstract_state: Any, scaler: LossScale) -> Any:
+    """``abstract_state`` with the scaler's leaves asking for their own dtypes.
+
+    A common Orbax idiom restores every float leaf in bfloat16 (a target built with
+    ``jax.tree.map(lambda x: x.astype(jnp.bfloat16), ...)``): the loss scale is float32
+    and its counters int32 whatever the target says, as the library builds and saves
+    them, so that the arrays can be compared bit for bit with the JSON. The leaves are
+    found by identity (``get_loss_scale`` returns the target's own leaf objects).
+    """
+    names = {NoOpLossScale: (), StaticLossScale: ("loss_scale",),
+             DynamicLossScale: ("loss_scale", "growth_tracker", "nonfinite_tracker",
+                                "failure")}[type(scaler)]
+    wanted = {id(getattr(scaler, name)): np.dtype(np.float32 if name == "loss_scale"
+                                                  else np.int32) for name in names}
+
+    def own_dtype(leaf: Any) -> Any:
+        dtype = wanted.get(id(leaf))
+        if dtype is None or getattr(leaf, "dtype", None) == dtype:
+            return leaf
+        return jax.ShapeDtypeStruct(np.shape(leaf), dtype,
+                                    sharding=getattr(leaf, "sharding", None))
+
+    return jax.tree.map(own_dtype, abstract_state)
+
+
 def restore(
     mngr: ocp.CheckpointManager,
     abstract_state: Any,
@@ -185,14 +210,20 @@ def restore(
     key = _entry(abstract_state, path)
     new = serialization.resolve(saved, _get(abstract_state, key, path),
                                 adopt_config=adopt_config)
+    target = _in_own_dtypes(abstract_state, _get(abstract_state, key, path))
     restored = mngr.restore(step, args=ocp.args.Composite(
-        **{STATE_ITEM: ocp.args.StandardRestore(abstract_state)}))[STATE_ITEM]
+        **{STATE_ITEM: ocp.args.StandardRestore(target)}))[STATE_ITEM]
     arrays = _values(_get(restored, key, path))
     for name, expected in _values(saved_scaler).items():
         got = arrays[name]
         same = got.dtype == expected.dtype and (
             got.view(np.uint8 if got.dtype.itemsize == 1 else f"u{got.dtype.itemsize}")
             == expected.view(f"u{expected.dtype.itemsize}")).all()
+        if got.dtype != expected.dtype:  # _in_own_dtypes asked for the saved dtype
+            raise ValueError(
+                f"the arrays of step {step} hold the loss scale's {name} as {got.dtype}, "
+                f"saved as {expected.dtype}: restore it in {expected.dtype} (the restore "
+                "target's leaf for it must have that dtype).")
         if not same:
             raise ValueError(
                 f"the checkpoint of step {step} is corrupted: its arrays say {name} "

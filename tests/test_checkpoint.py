@@ -863,3 +863,35 @@ def test_a_restored_failed_scaler_fails_check_and_the_next_step_on_every_route(r
     assert int(ls.metrics(opt_state)["failure"]) == ls.Failure.BACKOFF_UNDERFLOW
     with pytest.raises(ls.LossScaleError, match="loss scale backoff failed"):
         ls.check(opt_state)
+
+
+def bf16_state():
+    tx = ls.with_loss_scaling(optax.adam(1e-2), ls.DynamicLossScale(
+        init_scale=1000.0, growth_interval=3, hysteresis=2))   # 1000: not a bfloat16
+    return ls.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
+
+
+def to_bf16(x, floats_only):
+    x = x if isinstance(x, jax.ShapeDtypeStruct) else jnp.asarray(x)  # step 0 is an int
+    if floats_only and not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+    return x.astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("target_from", ["eval_shape", "concrete"])
+@pytest.mark.parametrize("floats_only", [True, False], ids=["floats", "every_leaf"])
+def test_orbax_helpers_restore_the_scaler_in_its_own_dtypes_from_a_bfloat16_target(
+        target_from, floats_only, tmp_path):
+    # Restoring every (float) leaf in bfloat16 is a common Orbax idiom: the loss scale and
+    # its counters still come back as float32 / int32, bit-identical to the saved ones.
+    state = stepped(bf16_state())
+    target = jax.eval_shape(bf16_state) if target_from == "eval_shape" else bf16_state()
+    target = jax.tree.map(lambda x: to_bf16(x, floats_only), target)
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        mngr.save(3, args=ls.orbax_save_args(state))
+        mngr.wait_until_finished()
+        restored = ls.orbax_restore(mngr, target)
+    assert_bit_identical(ls.get_loss_scale(restored), ls.get_loss_scale(state))
+    assert restored.params["w"].dtype == jnp.bfloat16   # the rest as the target asks
