@@ -132,6 +132,18 @@ def _values(scaler: LossScale) -> dict[str, Any]:
             for name in names[type(scaler)]}
 
 
+def _saved_items(mngr: ocp.CheckpointManager, step: int) -> list[str] | None:
+    """The names of the items saved at ``step`` (``["default"]`` for a single unnamed
+    item); None when Orbax cannot say."""
+    try:
+        metadata = mngr.item_metadata(step)
+    except Exception:
+        return None
+    if any(c.__name__ == "Composite" for c in type(metadata).__mro__):  # named items
+        return sorted(k for k in metadata.keys())
+    return ["default"]
+
+
 def _in_own_dtypes(abstract_state: Any, scaler: LossScale) -> Any:
     """``abstract_state`` with the scaler's leaves asking for their own dtypes.
 
@@ -197,6 +209,12 @@ def restore(
         saved = mngr.restore(step, args=ocp.args.Composite(
             **{LOSS_SCALE_ITEM: ocp.args.JsonRestore()}))[LOSS_SCALE_ITEM]
     except Exception as error:
+        items = _saved_items(mngr, step)
+        if items is not None and LOSS_SCALE_ITEM not in items:
+            raise ValueError(serialization.PRE_LOSS_SCALING.format(
+                where=f"step {step} of {mngr.directory} holds no loss-scale item (its items: "
+                      f"{', '.join(map(repr, items))}): it was not saved with "
+                      "`loss_scaling.orbax_save_args`")) from None
         raise ValueError(
             f"the loss-scale item {LOSS_SCALE_ITEM!r} of step {step} cannot be read "
             f"({type(error).__name__}: {serialization._show(str(error))}): was it saved with "

@@ -104,6 +104,15 @@ _USE_RESTORE_WITH_CONFIG = (
     "keep the saved configuration, build the optimizer with it."
 )
 
+PRE_LOSS_SCALING = (
+    "{where}. Is it a checkpoint written before loss scaling was added (an fp32 run moving "
+    "to float16, its optimizer state a bare optax state)? Such a checkpoint restores with "
+    "its own structure; then start loss scaling from it by placing the old optimizer "
+    "state into the new one's inner state, e.g. `opt_state = "
+    "tx.init(params)._replace(inner_state=old_opt_state)`: see \"Starting loss scaling "
+    "from an existing checkpoint\" in docs/checkpoints.md."
+)
+
 _repr = reprlib.Repr()
 _repr.maxstring = 60
 _repr.maxother = 60
@@ -1020,6 +1029,30 @@ def _flax_restore(target: LossScale, state: Any) -> LossScale:
     return jax.tree.unflatten(treedef, leaves)
 
 
+def _state_key(key: Any) -> str:
+    """The key flax's state dict has for one step of a jax key path."""
+    return str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
+
+
+def _bare_optimizer_states(target: Any, state: Any) -> list[str]:
+    """Paths where ``target`` has a ``LossScalingState`` but the decoded ``state`` holds
+    a mapping without its ``scaler`` / ``inner_state`` fields (a checkpoint of the bare
+    inner optimizer, saved before loss scaling was added)."""
+    def is_wrapper(x: Any) -> bool:
+        return isinstance(x, LossScalingState)
+
+    bare = []
+    for path, node in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_wrapper)[0]:
+        if not is_wrapper(node):
+            continue
+        saved = state
+        for key in path:
+            saved = saved.get(_state_key(key)) if isinstance(saved, Mapping) else None
+        if isinstance(saved, Mapping) and not {"scaler", "inner_state"} & set(saved):
+            bare.append("./" + "/".join(_state_key(k) for k in path))
+    return bare
+
+
 def from_bytes(target: Any, encoded: bytes) -> Any:
     """``flax.serialization.from_bytes``, with every failure a ``ValueError``.
 
@@ -1072,6 +1105,11 @@ def from_bytes(target: Any, encoded: bytes) -> Any:
             f"cannot decode the bytes for {where}: msgpack says {type(error).__name__}: "
             f"{_show(str(error))}. They are truncated or corrupted: restore an intact copy."
         ) from None
+    bare = _bare_optimizer_states(target, state)
+    if bare:
+        raise ValueError(PRE_LOSS_SCALING.format(
+            where=f"the bytes hold no loss-scale state at {', '.join(map(repr, bare))}, where "
+                  "the target has a with_loss_scaling state"))
     try:
         return flax.serialization.from_state_dict(target, state)
     except ValueError as error:

@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -895,3 +896,80 @@ def test_orbax_helpers_restore_the_scaler_in_its_own_dtypes_from_a_bfloat16_targ
         restored = ls.orbax_restore(mngr, target)
     assert_bit_identical(ls.get_loss_scale(restored), ls.get_loss_scale(state))
     assert restored.params["w"].dtype == jnp.bfloat16   # the rest as the target asks
+
+
+# ------------------------------------ starting loss scaling from an fp32 run's checkpoint
+
+START_BLOCK = doc_blocks.named("checkpoints.md", "start_scaling")
+
+
+def test_a_checkpoint_saved_before_loss_scaling_is_named_and_the_recipe_starts_from_it(
+        tmp_path, monkeypatch):
+    params = {"w": jnp.arange(3.0)}
+    old_tx = optax.adam(0.1)
+    old = {"params": params, "opt_state": old_tx.init(params)}
+    _, old["opt_state"] = old_tx.update({"w": jnp.ones(3)}, old["opt_state"], params)
+    tx = optax.chain(ls.with_loss_scaling(optax.adam(0.1)), optax.identity())
+
+    def new_state():
+        return {"params": params, "opt_state": tx.init(params)}
+
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        mngr.save(0, args=ocp.args.StandardSave(old))
+        mngr.wait_until_finished()
+        with pytest.raises(ValueError, match=r"holds no loss-scale item .*written before loss "
+                                             r"scaling was added.*_replace\(inner_state="):
+            ls.orbax_restore(mngr, jax.eval_shape(new_state))
+    with pytest.raises(ValueError, match=r"no loss-scale state at '\./opt_state/0', where the "
+                                         r"target has a with_loss_scaling state.*before loss"):
+        ls.from_bytes(new_state(), flax.serialization.to_bytes(old))
+    # The documented recipe, inside a chain: the inner adam continues where it stopped.
+    restored = ls.from_bytes(old, flax.serialization.to_bytes(old))
+    opt_state = tx.init(params)
+    opt_state = (opt_state[0]._replace(inner_state=restored["opt_state"]), *opt_state[1:])
+    grads = {"w": jnp.full(3, 2.0)}
+    scale = ls.get_loss_scale(opt_state).loss_scale
+    updates, _ = tx.update(jax.tree.map(lambda g: g * scale, grads), opt_state, params)
+    expected, _ = old_tx.update(grads, old["opt_state"], params)
+    assert_bit_identical(updates, expected)
+    # ...and the page's Orbax block runs as written.
+    monkeypatch.chdir(tmp_path)
+    namespace = doc_blocks.execute(START_BLOCK)
+    assert float(ls.get_loss_scale(namespace["opt_state"]).loss_scale) == 2.0**15
+
+
+def test_the_documented_list_of_configuration_checked_options_is_the_codes():
+    import dataclasses
+    import inspect
+    import re
+
+    from loss_scaling import scalers, serialization
+
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "checkpoints.md").read_text()
+    table = page.split("<!-- config-checked -->")[1].split("<!-- /config-checked -->")[0]
+    rows = [line.split("|")[1:4] for line in table.strip().splitlines()[2:]]
+    checked = {name for option, compared, _ in rows if compared.strip().startswith("yes")
+               for name in re.findall(r"`(\w+)", option)}
+    unchecked = {name for option, compared, _ in rows if compared.strip() == "no"
+                 for name in re.findall(r"`(\w+)", option)}
+    config = {f.name for f in dataclasses.fields(scalers.DynamicConfig)}
+    assert config == set(serialization._CONFIG_KEYS["dynamic"])   # the code's one list
+    assert checked == config | {"StaticLossScale"}
+    wrapper_options = {name for name, p in inspect.signature(
+        ls.with_loss_scaling).parameters.items() if p.kind is p.KEYWORD_ONLY} - {
+        "runtime_check"}   # deprecated
+    assert unchecked == {"init_scale", "with_loss_scaling"} | wrapper_options
+    assert set(inspect.signature(ls.DynamicLossScale).parameters) == config | {"init_scale"}
+    # What the table says is unchecked really is: a restore accepts a change of it.
+    saved = ls.state_dict(ls.DynamicLossScale(init_scale=8.0))
+    target = ls.with_loss_scaling(optax.sgd(0.1), ls.DynamicLossScale(init_scale=1.0),
+                                  max_consecutive_skips=3).init(jnp.ones(2))
+    assert float(ls.get_loss_scale(ls.restore_loss_scale(target, saved)).loss_scale) == 8.0
+
+
+def test_every_recipe_restores_flax_bytes_through_the_validating_route():
+    # Plain flax.serialization.from_bytes raises flax's own errors (TypeError: unhashable
+    # type: 'dict', KeyError, ...) on corrupted bytes: the recipes use ls.from_bytes.
+    offenders = [block.id for block in doc_blocks.python_blocks()
+                 if re.search(r"(?<!ls\.)\bserialization\.from_bytes\b", block.code)]
+    assert offenders == []
