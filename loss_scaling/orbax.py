@@ -212,7 +212,8 @@ def restore(
         items = _saved_items(mngr, step)
         if items is not None and LOSS_SCALE_ITEM not in items:
             raise ValueError(serialization.PRE_LOSS_SCALING.format(
-                where=f"step {step} of {mngr.directory} holds no loss-scale item (its items: "
+                where=f"the loss-scale item {LOSS_SCALE_ITEM!r} of step {step} is missing "
+                      f"from {mngr.directory} (the step's items: "
                       f"{', '.join(map(repr, items))}): it was not saved with "
                       "`loss_scaling.orbax_save_args`")) from None
         raise ValueError(
