@@ -765,7 +765,7 @@ def test_the_guide_has_the_recipe_and_says_which_routes_check():
 
 
 def test_the_guides_blocks_run(tmp_path, monkeypatch, capsys):
-    recipe_block, sharded, nnx_block, flax_block, json_block = guide_blocks()
+    recipe_block, _start_scaling, sharded, nnx_block, flax_block, json_block = guide_blocks()
     ns = run_block(recipe_block, tmp_path, monkeypatch)
     assert capsys.readouterr().out == "16384.0 500\n"
     assert_bit_identical(ns["resumed"], ns["state"], same_treedef=False)
@@ -917,8 +917,9 @@ def test_a_checkpoint_saved_before_loss_scaling_is_named_and_the_recipe_starts_f
     with ocp.CheckpointManager(tmp_path / "m") as mngr:
         mngr.save(0, args=ocp.args.StandardSave(old))
         mngr.wait_until_finished()
-        with pytest.raises(ValueError, match=r"loss-scale item 'loss_scale' of step 0 is missing .*written before loss "
-                                             r"scaling was added.*_replace\(inner_state="):
+        with pytest.raises(ValueError, match=r"loss-scale item 'loss_scale' of step 0 is "
+                                             r"missing .*written before loss scaling was "
+                                             r"added.*_replace\(inner_state="):
             ls.orbax_restore(mngr, jax.eval_shape(new_state))
     with pytest.raises(ValueError, match=r"no loss-scale state at '\./opt_state/0', where the "
                                          r"target has a with_loss_scaling state.*before loss"):

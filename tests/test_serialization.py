@@ -271,7 +271,7 @@ CORRUPTED = [
     (("values", "loss_scale"), True, "values.loss_scale"),
     (("values", "loss_scale"), None, "values.loss_scale"),
     (("values", "loss_scale"), [1024.0], "values.loss_scale"),
-    (("values", "loss_scale"), 0.05, "config.min_scale"),       # below min_scale 0.1
+    (("values", "loss_scale"), 0.0625, "config.min_scale"),     # below min_scale 0.1
     (("values", "loss_scale"), 2.0**21, "config.max_scale"),    # above max_scale
     (("values", "growth_tracker"), -1, "values.growth_tracker"),
     (("values", "growth_tracker"), 5, "values.growth_tracker"),  # == growth_interval
