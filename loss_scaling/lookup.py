@@ -294,6 +294,33 @@ def _first_failing(tree: Any, failure: np.ndarray) -> Any:
         lambda x: _host(x).reshape(failure.size, *np.shape(x)[failure.ndim:])[index], tree)
 
 
+def _read_once(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The host values of a few small arrays (None stays None), in one device read."""
+    local = [x.addressable_data(0) if isinstance(x, jax.Array) and not x.is_fully_addressable
+             else x for x in arrays]
+    return tuple(None if x is None else np.asarray(x)
+                 for x in jax.device_get(local))
+
+
+def _effective_failure(failure: np.ndarray | None, scaler_failure: np.ndarray | None,
+                       scale: np.ndarray | None) -> np.ndarray:
+    """The failure code a step would act on: the wrapper's register, else the scaler's,
+    else ``INVALID_SCALE`` where the scale is not a positive normal float32 (elementwise,
+    for replicated states)."""
+    codes = [np.asarray(c, np.int32) for c in (failure, scaler_failure) if c is not None]
+    if scale is not None:
+        as_f32 = np.asarray(scale).astype(np.float32)
+        valid = np.isfinite(as_f32) & (as_f32 >= np.finfo(np.float32).tiny)
+        codes.append(np.where(valid, np.int32(_errors.Failure.NONE),
+                              np.int32(_errors.Failure.INVALID_SCALE)))
+    if not codes:
+        return np.zeros((), np.int32)
+    out = codes[-1]
+    for code in reversed(codes[:-1]):  # the first register that holds a failure wins
+        out = np.where(code != _errors.Failure.NONE, code, out)
+    return np.asarray(out, np.int32)
+
+
 def check(state: Any, params: Any = None, path: str | None = None) -> None:
     """Raises :class:`loss_scaling.LossScaleError` on the host if the run has failed.
 
@@ -339,24 +366,30 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
     """
     if isinstance(state, NoOpLossScale):
         return
-    if isinstance(state, StaticLossScale):
-        scale = _host(state.loss_scale)
-        valid = np.isfinite(scale) & (scale >= np.finfo(np.float32).tiny)
-        if not np.all(valid):
-            bad = scale.reshape(-1)[int(np.argmin(valid.reshape(-1)))]
-            raise _errors.LossScaleError(_errors.invalid_scale_message(bad))
-        return
-    if isinstance(state, DynamicLossScale):
-        failure = _host(state.failure)
+    if isinstance(state, (StaticLossScale, DynamicLossScale)):
+        failure, scale = _read_once((getattr(state, "failure", None), state.loss_scale))
+        failure = _effective_failure(None, failure, scale)
         if np.any(failure != _errors.Failure.NONE):
-            raise _errors.LossScaleError(
-                scalers.failure_message(_first_failing(state, failure)))
+            failed = _first_failing(state, failure)
+            if isinstance(failed, DynamicLossScale):
+                code = failure.reshape(-1)[int(np.argmax(failure.reshape(-1) != 0))]
+                failed = DynamicLossScale._from_parts(failed.config, (
+                    *(getattr(failed, n) for n in scalers._DYNAMIC_LEAVES[:-1]),
+                    np.asarray(code, np.int32)))
+            raise _errors.LossScaleError(scalers.failure_message(failed))
         return
     wrapper = _get_wrapper_state(state, path)
-    failure, growths = (_host(x) for x in (wrapper.failure, wrapper.clean_growths))
+    scaler = wrapper.scaler
+    failure, growths, scaler_failure, scale = _read_once((
+        wrapper.failure, wrapper.clean_growths, getattr(scaler, "failure", None),
+        None if isinstance(scaler, NoOpLossScale) else scaler.loss_scale))
+    # Two registers: the wrapper's, and the scaler's own (a failed scaler restored into a
+    # fresh optimizer state, `restore_loss_scale`, brings only the latter); and a scale
+    # that arrived invalid (built by unflatten, an unchecked restore) before any step.
+    failure = _effective_failure(failure, scaler_failure, scale)
     if np.any(failure != _errors.Failure.NONE):
         names = None if params is None else leaf_names(params)
-        failed = _first_failing(wrapper, failure)
+        failed = _first_failing(wrapper._replace(failure=failure), failure)
         scaler = failed.scaler
         if isinstance(scaler, DynamicLossScale) and scaler.config is None:
             # A plain nnx.Optimizer's nnx.State: no config for the full message.

@@ -132,6 +132,43 @@ def _values(scaler: LossScale) -> dict[str, Any]:
             for name in names[type(scaler)]}
 
 
+def _saved_items(mngr: ocp.CheckpointManager, step: int) -> list[str] | None:
+    """The names of the items saved at ``step`` (``["default"]`` for a single unnamed
+    item); None when Orbax cannot say."""
+    try:
+        metadata = mngr.item_metadata(step)
+    except Exception:
+        return None
+    if any(c.__name__ == "Composite" for c in type(metadata).__mro__):  # named items
+        return sorted(k for k in metadata.keys())
+    return ["default"]
+
+
+def _in_own_dtypes(abstract_state: Any, scaler: LossScale) -> Any:
+    """``abstract_state`` with the scaler's leaves asking for their own dtypes.
+
+    A common Orbax idiom restores every float leaf in bfloat16 (a target built with
+    ``jax.tree.map(lambda x: x.astype(jnp.bfloat16), ...)``): the loss scale is float32
+    and its counters int32 whatever the target says, as the library builds and saves
+    them, so that the arrays can be compared bit for bit with the JSON. The leaves are
+    found by identity (``get_loss_scale`` returns the target's own leaf objects).
+    """
+    names = {NoOpLossScale: (), StaticLossScale: ("loss_scale",),
+             DynamicLossScale: ("loss_scale", "growth_tracker", "nonfinite_tracker",
+                                "failure")}[type(scaler)]
+    wanted = {id(getattr(scaler, name)): np.dtype(np.float32 if name == "loss_scale"
+                                                  else np.int32) for name in names}
+
+    def own_dtype(leaf: Any) -> Any:
+        dtype = wanted.get(id(leaf))
+        if dtype is None or getattr(leaf, "dtype", None) == dtype:
+            return leaf
+        return jax.ShapeDtypeStruct(np.shape(leaf), dtype,
+                                    sharding=getattr(leaf, "sharding", None))
+
+    return jax.tree.map(own_dtype, abstract_state)
+
+
 def restore(
     mngr: ocp.CheckpointManager,
     abstract_state: Any,
@@ -172,6 +209,13 @@ def restore(
         saved = mngr.restore(step, args=ocp.args.Composite(
             **{LOSS_SCALE_ITEM: ocp.args.JsonRestore()}))[LOSS_SCALE_ITEM]
     except Exception as error:
+        items = _saved_items(mngr, step)
+        if items is not None and LOSS_SCALE_ITEM not in items:
+            raise ValueError(serialization.PRE_LOSS_SCALING.format(
+                where=f"the loss-scale item {LOSS_SCALE_ITEM!r} of step {step} is missing "
+                      f"from {mngr.directory} (the step's items: "
+                      f"{', '.join(map(repr, items))}): it was not saved with "
+                      "`loss_scaling.orbax_save_args`")) from None
         raise ValueError(
             f"the loss-scale item {LOSS_SCALE_ITEM!r} of step {step} cannot be read "
             f"({type(error).__name__}: {serialization._show(str(error))}): was it saved with "
@@ -185,14 +229,20 @@ def restore(
     key = _entry(abstract_state, path)
     new = serialization.resolve(saved, _get(abstract_state, key, path),
                                 adopt_config=adopt_config)
+    target = _in_own_dtypes(abstract_state, _get(abstract_state, key, path))
     restored = mngr.restore(step, args=ocp.args.Composite(
-        **{STATE_ITEM: ocp.args.StandardRestore(abstract_state)}))[STATE_ITEM]
+        **{STATE_ITEM: ocp.args.StandardRestore(target)}))[STATE_ITEM]
     arrays = _values(_get(restored, key, path))
     for name, expected in _values(saved_scaler).items():
         got = arrays[name]
         same = got.dtype == expected.dtype and (
             got.view(np.uint8 if got.dtype.itemsize == 1 else f"u{got.dtype.itemsize}")
             == expected.view(f"u{expected.dtype.itemsize}")).all()
+        if got.dtype != expected.dtype:  # _in_own_dtypes asked for the saved dtype
+            raise ValueError(
+                f"the arrays of step {step} hold the loss scale's {name} as {got.dtype}, "
+                f"saved as {expected.dtype}: restore it in {expected.dtype} (the restore "
+                "target's leaf for it must have that dtype).")
         if not same:
             raise ValueError(
                 f"the checkpoint of step {step} is corrupted: its arrays say {name} "

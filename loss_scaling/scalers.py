@@ -459,6 +459,11 @@ def _as_finite_flag(grads_finite: Any) -> jax.Array:
     return jnp.asarray(grads_finite)
 
 
+def _saturating_increment(counter: jax.Array) -> jax.Array:
+    """``counter + 1``, staying at int32's max instead of wrapping."""
+    return jnp.where(counter < _INT32_MAX, counter + 1, counter)
+
+
 def _dynamic_step(
     state: DynamicLossScale, finite: jax.Array
 ) -> tuple[DynamicLossScale, jax.Array]:
@@ -475,7 +480,9 @@ def _dynamic_step(
     valid = is_positive_normal(scale)
 
     # Clean step: count, and grow on the growth_interval-th one unless that overflows.
-    counted = tracker + 1
+    # Both counters saturate at int32's max (optax.safe_increment style): hysteresis and
+    # growth_interval may be anything in [1, 2**31 - 1], and no counter ever wraps.
+    counted = _saturating_increment(tracker)
     grows = counted >= config.growth_interval
     grown = scale * jnp.float32(config.growth_factor)
     if config.max_scale is not None:
@@ -485,7 +492,7 @@ def _dynamic_step(
     clean_tracker = jnp.where(grows, jnp.zeros_like(tracker), counted)
 
     # Non-finite step: back off once the hysteresis is used up.
-    bad_streak = jnp.minimum(streak + 1, config.hysteresis)
+    bad_streak = jnp.minimum(_saturating_increment(streak), config.hysteresis)
     backs_off = bad_streak >= config.hysteresis
     shrunk = scale * jnp.float32(config.backoff_factor)
     if config.min_scale is not None:

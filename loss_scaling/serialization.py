@@ -104,6 +104,15 @@ _USE_RESTORE_WITH_CONFIG = (
     "keep the saved configuration, build the optimizer with it."
 )
 
+PRE_LOSS_SCALING = (
+    "{where}. Is it a checkpoint written before loss scaling was added (an fp32 run moving "
+    "to float16, its optimizer state a bare optax state)? Such a checkpoint restores with "
+    "its own structure; then start loss scaling from it by placing the old optimizer "
+    "state into the new one's inner state, e.g. `opt_state = "
+    "tx.init(params)._replace(inner_state=old_opt_state)`: see \"Starting loss scaling "
+    "from an existing checkpoint\" in docs/checkpoints.md."
+)
+
 _repr = reprlib.Repr()
 _repr.maxstring = 60
 _repr.maxother = 60
@@ -200,10 +209,35 @@ def _integer(name: str, value: Any) -> int:
 
 
 def _scale(name: str, value: Any) -> float:
+    number = _number(name, value)
     try:
-        return positive_normal_float32(name, _number(name, value))
+        as_f32 = positive_normal_float32(name, number)
     except ValueError as error:
         raise ValueError(_prefixed(error)) from None
+    return _exact_float32(name, number, as_f32)
+
+
+_NOT_FLOAT32 = (
+    "{prefix}{name} is {value!r}, which float32 does not represent exactly: the nearest "
+    "float32 values are {below!r} and {above!r}. A state dict holds float32 values exactly "
+    "(state_dict writes them so, and a JSON round trip keeps them): write one of those."
+)
+
+
+def _exact_float32(name: str, value: float, as_f32: float | None = None) -> float:
+    """``value`` if float32 holds it exactly; a ValueError naming both neighbours if not.
+
+    A value outside float32's finite normal range is left to the range checks (their
+    message says what the range is)."""
+    with np.errstate(over="ignore", under="ignore"):
+        rounded = np.float32(value)
+    if (as_f32 is None and not (np.isfinite(rounded) and abs(rounded) >= _F32.tiny)) \
+            or float(rounded) == value:
+        return value
+    step = np.float32(np.inf if float(rounded) < value else -np.inf)
+    below, above = sorted((float(rounded), float(np.nextafter(rounded, step))))
+    raise ValueError(_NOT_FLOAT32.format(prefix=_INVALID, name=name, value=value,
+                                         below=below, above=above))
 
 
 def _prefixed(error: ValueError) -> str:
@@ -249,7 +283,7 @@ def _parse(d: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
         return kind, None, {"loss_scale": loss_scale}
 
     # Each field on its own first, so that the message names the one at fault.
-    factors = {k: _number(f"config.{k}", raw_config[k])
+    factors = {k: _exact_float32(f"config.{k}", _number(f"config.{k}", raw_config[k]))
                for k in ("growth_factor", "backoff_factor")}
     ints = {}
     for k in ("growth_interval", "hysteresis"):
@@ -441,7 +475,10 @@ def from_state_dict(d: Any) -> LossScale:
     expected, bools never), a known ``format_version`` and ``kind``, a valid
     configuration, a finite, positive, normal float32 ``loss_scale`` inside
     ``[min_scale, max_scale]``, ``0 <= growth_tracker < growth_interval`` and
-    ``0 <= nonfinite_tracker <= hysteresis``.
+    ``0 <= nonfinite_tracker <= hysteresis``. Every float (the scale, the factors and the
+    bounds) must be a float32 value exactly, as :func:`state_dict` writes it: a
+    hand-written ``16777217.0`` is refused (naming float32's neighbours 16777216 and
+    16777218), never rounded silently.
 
     Args:
       d: the dict (e.g. from ``json.loads``).
@@ -992,6 +1029,30 @@ def _flax_restore(target: LossScale, state: Any) -> LossScale:
     return jax.tree.unflatten(treedef, leaves)
 
 
+def _state_key(key: Any) -> str:
+    """The key flax's state dict has for one step of a jax key path."""
+    return str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
+
+
+def _bare_optimizer_states(target: Any, state: Any) -> list[str]:
+    """Paths where ``target`` has a ``LossScalingState`` but the decoded ``state`` holds
+    a mapping without its ``scaler`` / ``inner_state`` fields (a checkpoint of the bare
+    inner optimizer, saved before loss scaling was added)."""
+    def is_wrapper(x: Any) -> bool:
+        return isinstance(x, LossScalingState)
+
+    bare = []
+    for path, node in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_wrapper)[0]:
+        if not is_wrapper(node):
+            continue
+        saved = state
+        for key in path:
+            saved = saved.get(_state_key(key)) if isinstance(saved, Mapping) else None
+        if isinstance(saved, Mapping) and not {"scaler", "inner_state"} & set(saved):
+            bare.append("./" + "/".join(_state_key(k) for k in path))
+    return bare
+
+
 def from_bytes(target: Any, encoded: bytes) -> Any:
     """``flax.serialization.from_bytes``, with every failure a ``ValueError``.
 
@@ -1044,6 +1105,11 @@ def from_bytes(target: Any, encoded: bytes) -> Any:
             f"cannot decode the bytes for {where}: msgpack says {type(error).__name__}: "
             f"{_show(str(error))}. They are truncated or corrupted: restore an intact copy."
         ) from None
+    bare = _bare_optimizer_states(target, state)
+    if bare:
+        raise ValueError(PRE_LOSS_SCALING.format(
+            where=f"the bytes hold no loss-scale state at {', '.join(map(repr, bare))}, where "
+                  "the target has a with_loss_scaling state"))
     try:
         return flax.serialization.from_state_dict(target, state)
     except ValueError as error:

@@ -540,6 +540,8 @@ def _check(core: _Core, grads: Any, state: LossScalingState, extra_args: dict) -
         if core.axis_name is not None:
             loss_finite = lax.pmin(loss_finite.astype(jnp.int32), core.axis_name) == 1
     healthy = state.failure == Failure.NONE
+    if isinstance(state.scaler, DynamicLossScale):  # a failed scaler restored into a fresh
+        healthy &= state.scaler.failure == Failure.NONE  # state: its own register counts
     if inverse is not None:
         healthy &= scalers.is_positive_normal(state.scaler.loss_scale)
     return _Check(healthy & grads_finite & loss_finite, healthy, grads_finite, loss_finite,

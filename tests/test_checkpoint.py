@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -764,7 +765,7 @@ def test_the_guide_has_the_recipe_and_says_which_routes_check():
 
 
 def test_the_guides_blocks_run(tmp_path, monkeypatch, capsys):
-    recipe_block, sharded, nnx_block, flax_block, json_block = guide_blocks()
+    recipe_block, _start_scaling, sharded, nnx_block, flax_block, json_block = guide_blocks()
     ns = run_block(recipe_block, tmp_path, monkeypatch)
     assert capsys.readouterr().out == "16384.0 500\n"
     assert_bit_identical(ns["resumed"], ns["state"], same_treedef=False)
@@ -788,3 +789,188 @@ def test_the_guides_blocks_run(tmp_path, monkeypatch, capsys):
 
     ns = run_block(json_block, tmp_path, monkeypatch)
     assert json.loads(ns["text"])["values"]["growth_tracker"] == 1
+
+
+# ------------------------------------------- a restored failure stays a failure (issue 22)
+
+FAILED_CONFIG = {"growth_interval": 10, "hysteresis": 1}
+FAILED_PARAMS = {"w": jnp.arange(3.0)}
+RESTORE_ROUTES = ["from_state_dict", "restore_loss_scale", "restore_loss_scale_adopt",
+                  "restore_with_config", "ls_from_bytes_scaler", "flax_from_bytes_state",
+                  "ls_from_bytes_state", "orbax", "orbax_adopt"]
+
+
+def failed_tx(scaler=None):
+    return ls.with_loss_scaling(optax.sgd(0.1), scaler or ls.DynamicLossScale(**FAILED_CONFIG))
+
+
+def fresh_failed_target(**config):
+    tx = failed_tx(ls.DynamicLossScale(**{**FAILED_CONFIG, **config}))
+    return {"params": FAILED_PARAMS, "opt_state": tx.init(FAILED_PARAMS)}
+
+
+def restored_failed_state(route, tmp_path):
+    """A freshly built {"params", "opt_state"} into which a failed scaler was restored."""
+    failed = jax.jit(ls.update)(ls.DynamicLossScale(init_scale=2.0**-126, **FAILED_CONFIG),
+                                False)
+    assert int(failed.failure) == ls.Failure.BACKOFF_UNDERFLOW
+    saved = json.loads(json.dumps(ls.state_dict(failed)))
+    assert saved["values"]["failure"] == ls.Failure.BACKOFF_UNDERFLOW
+    fresh = fresh_failed_target()
+    # Only the scaler's register says failed: the wrapper state around it is new.
+    only_scaler = {**fresh, "opt_state": ls.restore_loss_scale(fresh["opt_state"], saved)}
+    if route == "from_state_dict":
+        opt_state = failed_tx(ls.from_state_dict(saved)).init(FAILED_PARAMS)
+    elif route == "restore_loss_scale":
+        opt_state = only_scaler["opt_state"]
+    elif route == "restore_loss_scale_adopt":
+        opt_state = ls.restore_loss_scale(fresh_failed_target(growth_interval=20)["opt_state"],
+                                          saved, adopt_config=True)
+    elif route == "restore_with_config":
+        adopted = ls.restore_with_config(saved, ls.DynamicLossScale(growth_interval=20))
+        opt_state = failed_tx(adopted).init(FAILED_PARAMS)
+    elif route == "ls_from_bytes_scaler":
+        scaler = ls.from_bytes(ls.DynamicLossScale(**FAILED_CONFIG),
+                               flax.serialization.to_bytes(failed))
+        opt_state = failed_tx(scaler).init(FAILED_PARAMS)
+    elif route in ("flax_from_bytes_state", "ls_from_bytes_state"):
+        restore = (flax.serialization.from_bytes if route.startswith("flax")
+                   else ls.from_bytes)
+        return restore(fresh_failed_target(), flax.serialization.to_bytes(only_scaler))
+    else:
+        adopt = route == "orbax_adopt"
+        with ocp.CheckpointManager(tmp_path / "m") as mngr:
+            mngr.save(0, args=ls.orbax_save_args(only_scaler))
+            mngr.wait_until_finished()
+            config = {"growth_interval": 20} if adopt else {}
+            return ls.orbax_restore(
+                mngr, jax.eval_shape(lambda: fresh_failed_target(**config)), adopt_config=adopt)
+    return {"params": FAILED_PARAMS, "opt_state": opt_state}
+
+
+@pytest.mark.parametrize("route", RESTORE_ROUTES)
+def test_a_restored_failed_scaler_fails_check_and_the_next_step_on_every_route(route,
+                                                                               tmp_path):
+    # "A new configuration does not heal a run": the scaler's own failure register is
+    # restored on every route, and ls.check and the step both read it.
+    state = restored_failed_state(route, tmp_path)
+    with pytest.raises(ls.LossScaleError, match="loss scale backoff failed"):
+        ls.check(state["opt_state"])
+    tx = failed_tx()
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p))
+    updates, opt_state = step({"w": jnp.ones(3)}, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    assert_bit_identical(params, FAILED_PARAMS)
+    assert int(ls.metrics(opt_state)["failure"]) == ls.Failure.BACKOFF_UNDERFLOW
+    with pytest.raises(ls.LossScaleError, match="loss scale backoff failed"):
+        ls.check(opt_state)
+
+
+def bf16_state():
+    tx = ls.with_loss_scaling(optax.adam(1e-2), ls.DynamicLossScale(
+        init_scale=1000.0, growth_interval=3, hysteresis=2))   # 1000: not a bfloat16
+    return ls.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
+
+
+def to_bf16(x, floats_only):
+    x = x if isinstance(x, jax.ShapeDtypeStruct) else jnp.asarray(x)  # step 0 is an int
+    if floats_only and not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+    return x.astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("target_from", ["eval_shape", "concrete"])
+@pytest.mark.parametrize("floats_only", [True, False], ids=["floats", "every_leaf"])
+def test_orbax_helpers_restore_the_scaler_in_its_own_dtypes_from_a_bfloat16_target(
+        target_from, floats_only, tmp_path):
+    # Restoring every (float) leaf in bfloat16 is a common Orbax idiom: the loss scale and
+    # its counters still come back as float32 / int32, bit-identical to the saved ones.
+    state = stepped(bf16_state())
+    target = jax.eval_shape(bf16_state) if target_from == "eval_shape" else bf16_state()
+    target = jax.tree.map(lambda x: to_bf16(x, floats_only), target)
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        mngr.save(3, args=ls.orbax_save_args(state))
+        mngr.wait_until_finished()
+        restored = ls.orbax_restore(mngr, target)
+    assert_bit_identical(ls.get_loss_scale(restored), ls.get_loss_scale(state))
+    assert restored.params["w"].dtype == jnp.bfloat16   # the rest as the target asks
+
+
+# ------------------------------------ starting loss scaling from an fp32 run's checkpoint
+
+START_BLOCK = doc_blocks.named("checkpoints.md", "start_scaling")
+
+
+def test_a_checkpoint_saved_before_loss_scaling_is_named_and_the_recipe_starts_from_it(
+        tmp_path, monkeypatch):
+    params = {"w": jnp.arange(3.0)}
+    old_tx = optax.adam(0.1)
+    old = {"params": params, "opt_state": old_tx.init(params)}
+    _, old["opt_state"] = old_tx.update({"w": jnp.ones(3)}, old["opt_state"], params)
+    tx = optax.chain(ls.with_loss_scaling(optax.adam(0.1)), optax.identity())
+
+    def new_state():
+        return {"params": params, "opt_state": tx.init(params)}
+
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        mngr.save(0, args=ocp.args.StandardSave(old))
+        mngr.wait_until_finished()
+        with pytest.raises(ValueError, match=r"loss-scale item 'loss_scale' of step 0 is "
+                                             r"missing .*written before loss scaling was "
+                                             r"added.*_replace\(inner_state="):
+            ls.orbax_restore(mngr, jax.eval_shape(new_state))
+    with pytest.raises(ValueError, match=r"no loss-scale state at '\./opt_state/0', where the "
+                                         r"target has a with_loss_scaling state.*before loss"):
+        ls.from_bytes(new_state(), flax.serialization.to_bytes(old))
+    # The documented recipe, inside a chain: the inner adam continues where it stopped.
+    restored = ls.from_bytes(old, flax.serialization.to_bytes(old))
+    opt_state = tx.init(params)
+    opt_state = (opt_state[0]._replace(inner_state=restored["opt_state"]), *opt_state[1:])
+    grads = {"w": jnp.full(3, 2.0)}
+    scale = ls.get_loss_scale(opt_state).loss_scale
+    updates, _ = tx.update(jax.tree.map(lambda g: g * scale, grads), opt_state, params)
+    expected, _ = old_tx.update(grads, old["opt_state"], params)
+    assert_bit_identical(updates, expected)
+    # ...and the page's Orbax block runs as written.
+    monkeypatch.chdir(tmp_path)
+    namespace = doc_blocks.execute(START_BLOCK)
+    assert float(ls.get_loss_scale(namespace["opt_state"]).loss_scale) == 2.0**15
+
+
+def test_the_documented_list_of_configuration_checked_options_is_the_codes():
+    import dataclasses
+    import inspect
+    import re
+
+    from loss_scaling import scalers, serialization
+
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "checkpoints.md").read_text()
+    table = page.split("<!-- config-checked -->")[1].split("<!-- /config-checked -->")[0]
+    rows = [line.split("|")[1:4] for line in table.strip().splitlines()[2:]]
+    checked = {name for option, compared, _ in rows if compared.strip().startswith("yes")
+               for name in re.findall(r"`(\w+)", option)}
+    unchecked = {name for option, compared, _ in rows if compared.strip() == "no"
+                 for name in re.findall(r"`(\w+)", option)}
+    config = {f.name for f in dataclasses.fields(scalers.DynamicConfig)}
+    assert config == set(serialization._CONFIG_KEYS["dynamic"])   # the code's one list
+    assert checked == config | {"StaticLossScale"}
+    wrapper_options = {name for name, p in inspect.signature(
+        ls.with_loss_scaling).parameters.items() if p.kind is p.KEYWORD_ONLY} - {
+        "runtime_check"}   # deprecated
+    assert unchecked == {"init_scale", "with_loss_scaling"} | wrapper_options
+    assert set(inspect.signature(ls.DynamicLossScale).parameters) == config | {"init_scale"}
+    # What the table says is unchecked really is: a restore accepts a change of it.
+    saved = ls.state_dict(ls.DynamicLossScale(init_scale=8.0))
+    target = ls.with_loss_scaling(optax.sgd(0.1), ls.DynamicLossScale(init_scale=1.0),
+                                  max_consecutive_skips=3).init(jnp.ones(2))
+    assert float(ls.get_loss_scale(ls.restore_loss_scale(target, saved)).loss_scale) == 8.0
+
+
+def test_every_recipe_restores_flax_bytes_through_the_validating_route():
+    # Plain flax.serialization.from_bytes raises flax's own errors (TypeError: unhashable
+    # type: 'dict', KeyError, ...) on corrupted bytes: the recipes use ls.from_bytes.
+    offenders = [block.id for block in doc_blocks.python_blocks()
+                 if re.search(r"(?<!ls\.)\bserialization\.from_bytes\b", block.code)]
+    assert offenders == []

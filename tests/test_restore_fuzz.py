@@ -187,3 +187,27 @@ def test_a_json_scale_edited_to_another_valid_value_is_refused(checkpoint, tmp_p
         with pytest.raises(ValueError, match="its arrays say loss_scale 1000.0, its loss-scale "
                                              "JSON says 1001.0"):
             ls.orbax_restore(mngr, jax.eval_shape(make_state))
+
+
+def test_plain_flax_from_bytes_fails_inside_flax_where_ls_from_bytes_gives_a_value_error():
+    # flax decodes the whole message (and restores dicts and tuples with its own handlers)
+    # before the loss scale's hook runs: single bit flips raise all sorts of errors there,
+    # TypeError("unhashable type: 'dict'") among them. ls.from_bytes refuses each of those
+    # with a ValueError naming the loss-scale state (docs/checkpoints.md says which route
+    # validates what).
+    saved, target = CASES["opt_state"]
+    encoded = flax.serialization.to_bytes(saved)
+    seen = set()
+    for bit in range(8 * len(encoded)):
+        bad = bytearray(encoded)
+        bad[bit // 8] ^= 1 << (bit % 8)
+        try:
+            flax.serialization.from_bytes(target, bytes(bad))
+            continue
+        except ValueError:
+            continue
+        except Exception as error:  # noqa: BLE001 - what plain flax raises is the point
+            seen.add(f"{type(error).__name__}: {error}"[:40])
+        with pytest.raises(ValueError, match="loss-scale state"):
+            ls.from_bytes(target, bytes(bad))
+    assert "TypeError: unhashable type: 'dict'" in seen, seen

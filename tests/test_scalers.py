@@ -797,3 +797,74 @@ def test_noop_train_step_compiles_to_the_bare_step(maybe_jit):
     assert count(hlo[0]) == count(hlo[1])
     chex.assert_trees_all_equal(maybe_jit(with_scaling)(w, x, scaler)[0],
                                 maybe_jit(without)(w, x, scaler)[0])
+
+
+# ------------------------------- ls.check on a scale that arrived without validation
+
+
+def _with_scale(s, value, replicas=None):
+    """``s`` with its scale replaced, without validation (as unflatten or tree.map do)."""
+    leaves = jax.tree.leaves(s)
+    scale = jnp.float32(value) if replicas is None else jnp.array(
+        [2.0] * (replicas - 1) + [value], jnp.float32)
+    rest = leaves[1:] if replicas is None else [
+        jnp.broadcast_to(x, (replicas,)) for x in leaves[1:]]
+    return jax.tree.unflatten(jax.tree.structure(s), [scale, *rest])
+
+
+@pytest.mark.parametrize("value", [math.nan, 0.0, -1.0, math.inf, 1e-40])
+@pytest.mark.parametrize("where", ["dynamic", "static", "wrapper_dynamic", "wrapper_static",
+                                   "replicated_dynamic"])
+def test_check_raises_on_an_invalid_scale_of_every_kind_before_any_step(where, value):
+    import optax
+
+    kind = ls.StaticLossScale(2.0) if "static" in where else ls.DynamicLossScale()
+    if where == "replicated_dynamic":
+        state = _with_scale(kind, value, replicas=2)
+    elif where.startswith("wrapper"):
+        state = ls.with_loss_scaling(optax.sgd(0.1), _with_scale(kind, value)).init(jnp.ones(2))
+    else:
+        state = _with_scale(kind, value)
+    with pytest.raises(ls.LossScaleError, match="not a finite, positive, normal float32"):
+        ls.check(state)
+
+
+# ------------------------------------------------------- one range for every counter
+
+INT32_MAX = 2**31 - 1
+
+
+@pytest.mark.parametrize("name", ["hysteresis", "growth_interval"])
+def test_the_largest_accepted_counter_setting_runs_and_round_trips(name):
+    import flax.serialization
+
+    s = ls.DynamicLossScale(init_scale=2.0**20, **{name: INT32_MAX})
+    d = ls.state_dict(s)
+    tracker = "nonfinite_tracker" if name == "hysteresis" else "growth_tracker"
+    d["values"][tracker] = INT32_MAX - 1   # one step from the end of the range
+    s = ls.from_state_dict(d)
+    finite = name == "growth_interval"
+    step = jax.jit(ls.update)
+    for _ in range(3):   # reaches the bound, then saturates there: never wraps
+        s = step(s, finite)
+        restored = ls.from_state_dict(ls.state_dict(s))
+        again = ls.from_bytes(ls.DynamicLossScale(**{name: INT32_MAX}),
+                              flax.serialization.to_bytes(s))
+        for other in (restored, again):
+            assert [np.asarray(x).tobytes() for x in jax.tree.leaves(other)] == [
+                np.asarray(x).tobytes() for x in jax.tree.leaves(s)]
+    if finite:   # the INT32_MAX-th clean step grew the scale, then counting restarted
+        assert (float(s.loss_scale), int(s.growth_tracker)) == (2.0**21, 2)
+    else:   # hysteresis used up: every non-finite step backs off, the tracker stays put
+        assert (float(s.loss_scale), int(s.nonfinite_tracker)) == (2.0**17, INT32_MAX)
+
+
+@pytest.mark.parametrize("name", ["hysteresis", "growth_interval"])
+def test_one_above_the_counter_range_is_refused_naming_argument_value_and_range(name):
+    message = re.escape(f"{name} must be an integer in [1, {INT32_MAX}], got {INT32_MAX + 1}")
+    with pytest.raises(ValueError, match=message):
+        ls.DynamicLossScale(**{name: INT32_MAX + 1})
+    d = ls.state_dict(ls.DynamicLossScale())
+    d["config"][name] = INT32_MAX + 1
+    with pytest.raises(ValueError, match=f"config.{message}"):
+        ls.from_state_dict(d)

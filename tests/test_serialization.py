@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 
 import chex
 import flax.serialization
@@ -270,7 +271,7 @@ CORRUPTED = [
     (("values", "loss_scale"), True, "values.loss_scale"),
     (("values", "loss_scale"), None, "values.loss_scale"),
     (("values", "loss_scale"), [1024.0], "values.loss_scale"),
-    (("values", "loss_scale"), 0.05, "config.min_scale"),       # below min_scale 0.1
+    (("values", "loss_scale"), 0.0625, "config.min_scale"),     # below min_scale 0.1
     (("values", "loss_scale"), 2.0**21, "config.max_scale"),    # above max_scale
     (("values", "growth_tracker"), -1, "values.growth_tracker"),
     (("values", "growth_tracker"), 5, "values.growth_tracker"),  # == growth_interval
@@ -955,3 +956,26 @@ def test_flax_restore_of_hostile_state_is_a_valid_state_or_a_value_error(state):
                            strict=True):
         assert leaf.shape == () and leaf.dtype == dtype
     ls.from_state_dict(state_dict(restored))   # it is a valid state
+
+
+# ------------------------------------------------ hand-written floats must be float32
+
+
+@pytest.mark.parametrize(("level", "key", "value", "below", "above"), [
+    ("values", "loss_scale", 16777217.0, 16777216.0, 16777218.0),
+    ("values", "loss_scale", 16777217, 16777216.0, 16777218.0),   # an int, too
+    ("config", "growth_factor", 1.1, 1.0999999046325684, 1.100000023841858),
+    ("config", "backoff_factor", 0.3, 0.29999998211860657, 0.30000001192092896),
+    ("config", "min_scale", 0.1, 0.09999999403953552, 0.10000000149011612),
+    ("config", "max_scale", 2.0**40 + 1, 2.0**40, 1099511758848.0),
+])
+def test_a_value_float32_does_not_hold_exactly_is_refused_naming_its_neighbours(
+        level, key, value, below, above):
+    d = state_dict(ls.DynamicLossScale(init_scale=1.0))
+    d[level][key] = value
+    with pytest.raises(ValueError, match=re.escape(
+            f"{level}.{key} is {float(value)!r}, which float32 does not represent exactly: "
+            f"the nearest float32 values are {below!r} and {above!r}")):
+        from_state_dict(d)
+    d[level][key] = below   # the float32 value itself is exact
+    assert from_state_dict(d) is not None
