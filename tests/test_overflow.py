@@ -1,0 +1,172 @@
+"""ls.find_overflow and ls.float16_report on models built to overflow in a known place.
+
+Every framework gets the same two-layer network, ``first`` (identity) then ``second``:
+
+* forward overflow: ``second``'s kernel is all 3e4, the input ones, so its float16
+  activations are 4 * 3e4 = 1.2e5 > 65504 (``dot_general`` in ``second``);
+* backward-only overflow: the input is 1e-3 and ``second``'s kernel all 8, so the forward
+  values stay below 0.04, but at scale 2**15 the cotangent of ``second``'s input is
+  4 * 8 * 2**15 = 2**20 > 65504 (at scale 1 it is 32: healthy).
+
+The line asserted is the user's line that calls ``second`` (marked ``# <- second``).
+"""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import loss_scaling as ls
+from loss_scaling.debug import _interpret
+
+F16, F32 = jnp.float16, jnp.float32
+BIG, AMP, SMALL = 3e4, 8.0, 1e-3
+SECOND_LINES = [i + 1 for i, text in enumerate(Path(__file__).read_text().splitlines())
+                if text.rstrip().endswith("# <- second")]
+
+
+def kernels(second):
+    return np.eye(4, dtype=np.float32), np.full((4, 4), second, np.float32)
+
+
+# ------------------------------------------------------------------------- the models
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, second):
+        self.first = nnx.Linear(4, 4, use_bias=False, dtype=F16, rngs=nnx.Rngs(0))
+        self.second = nnx.Linear(4, 4, use_bias=False, dtype=F16, rngs=nnx.Rngs(1))
+        self.first.kernel[...], self.second.kernel[...] = map(jnp.asarray, kernels(second))
+
+    def __call__(self, x):
+        return self.second(self.first(x))  # <- second
+
+
+class LinenNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(4, use_bias=False, dtype=F16, name="first")(x)
+        return nn.Dense(4, use_bias=False, dtype=F16, name="second")(x)  # <- second
+
+
+class EqxNet(eqx.Module):
+    first: eqx.nn.Linear
+    second: eqx.nn.Linear
+
+    def __init__(self, second):
+        a, b = kernels(second)
+        self.first = eqx.nn.Linear(4, 4, use_bias=False, key=jax.random.key(0))
+        self.second = eqx.nn.Linear(4, 4, use_bias=False, key=jax.random.key(1))
+        self.first = eqx.tree_at(lambda m: m.weight, self.first, jnp.asarray(a.T, F16))
+        self.second = eqx.tree_at(lambda m: m.weight, self.second, jnp.asarray(b.T, F16))
+
+    def __call__(self, x):
+        x = jax.vmap(self.first)(x.astype(F16))
+        return jax.vmap(self.second)(x)  # <- second
+
+
+def plain_net(params, x):
+    with jax.named_scope("first"):
+        x = x @ params["first"].astype(F16)
+    with jax.named_scope("second"):
+        return x @ params["second"].astype(F16)  # <- second
+
+
+def loss_of(apply):
+    return lambda model, x: jnp.sum(apply(model, x).astype(F32))
+
+
+def make(framework, second):
+    """``(loss_fn, model_or_params, expected layer)`` for one framework."""
+    if framework == "nnx":
+        return loss_of(lambda m, x: m(x)), NnxNet(second), "second"
+    if framework == "linen":
+        a, b = kernels(second)
+        params = {"params": {"first": {"kernel": a}, "second": {"kernel": b}}}
+        return loss_of(LinenNet().apply), jax.tree.map(jnp.asarray, params), "LinenNet/second"
+    if framework == "equinox":
+        return loss_of(lambda m, x: m(x)), EqxNet(second), "second/eqx.nn.Linear"
+    a, b = kernels(second)
+    return loss_of(plain_net), {"first": jnp.asarray(a), "second": jnp.asarray(b)}, "second"
+
+
+FRAMEWORKS = pytest.mark.parametrize("framework", ["nnx", "linen", "equinox", "plain"])
+
+
+def assert_in_second(report, phase, layer):
+    assert report.found and bool(report)
+    assert (report.phase, report.primitive, report.dtype) == (phase, "dot_general", "float16")
+    assert report.layer == layer, report
+    assert report.file == __file__ and report.line in SECOND_LINES, report
+    assert report.inputs_finite
+    text = str(report)
+    assert f"{phase} pass" in text and "dot_general" in text and f":{report.line} " in text
+
+
+@FRAMEWORKS
+def test_a_forward_overflow_is_found_in_the_named_layer(framework):
+    loss_fn, model, layer = make(framework, BIG)
+    report = ls.find_overflow(loss_fn, model, jnp.ones((1, 4), F16))
+    assert_in_second(report, "forward", layer)
+    assert report.max_finite_input == BIG  # the kernel; its input is 1
+    assert report.shape == (1, 4) or framework == "equinox"  # vmapped: one example
+
+
+@FRAMEWORKS
+def test_a_backward_only_overflow_is_found_in_the_named_layer_at_scale_2_15(framework):
+    loss_fn, model, layer = make(framework, AMP)
+    x = jnp.full((1, 4), SMALL, F16)
+    assert not ls.find_overflow(loss_fn, model, x)  # scale 1: healthy
+    report = ls.find_overflow(loss_fn, model, x, scale=2.0**15)
+    assert_in_second(report, "backward", layer)
+    assert report.scale == 2.0**15 and "loss scale 32768" in str(report)
+    assert report.max_finite_input == 2.0**15  # the cotangent of second's output
+
+
+@FRAMEWORKS
+def test_a_healthy_model_reports_nothing(framework):
+    loss_fn, model, _ = make(framework, 0.5)
+    report = ls.find_overflow(loss_fn, model, jnp.ones((2, 4), F16), scale=2.0**10)
+    assert not report.found and not report and report.phase is None
+    assert str(report).startswith("find_overflow: every value")
+
+
+def test_the_default_scale_is_the_one_the_first_argument_holds():
+    loss_fn, model, _ = make("nnx", AMP)
+    x = jnp.full((1, 4), SMALL, F16)
+    tx = ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(2.0**15))
+    optimizer = ls.nnx.Optimizer(model, tx, wrt=nnx.Param)
+    report = ls.find_overflow(loss_fn, optimizer, model, x)
+    assert (report.phase, report.scale, report.layer) == ("backward", 2.0**15, "second")
+    loss_fn, params, _ = make("plain", AMP)
+    state = ls.TrainState.create(apply_fn=None, params=params, tx=tx)
+    assert ls.find_overflow(loss_fn, state, state.params, x).phase == "backward"
+    assert ls.find_overflow(loss_fn, state.opt_state, params, x).scale == 2.0**15
+    assert not ls.find_overflow(loss_fn, state, params, x, scale=1.0)
+
+
+def test_nnx_differentiates_the_optimizers_wrt_filter_only():
+    loss_fn, model, _ = make("nnx", AMP)
+    model.first.kernel = nnx.Variable(model.first.kernel[...])  # not a Param: not in wrt
+    tx = ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(2.0**15))
+    optimizer = ls.nnx.Optimizer(model, tx, wrt=nnx.Param)
+    x = jnp.full((1, 4), SMALL, F16)
+    # Only second's kernel is differentiated: its cotangent, x^T * 2**15 = 32.8, is
+    # finite; the input cotangent that overflows is never computed.
+    assert not ls.find_overflow(loss_fn, optimizer, model, x)
+
+
+def test_bad_arguments_get_errors_that_say_what_to_pass():
+    with pytest.raises(TypeError, match="loss_fn's arguments"):
+        ls.find_overflow(lambda w: w)
+    with pytest.raises(ValueError, match=r"scale=-1\.0: pass a positive"):
+        ls.find_overflow(lambda w: jnp.sum(w), jnp.ones(2), scale=-1.0)
