@@ -170,3 +170,168 @@ def test_bad_arguments_get_errors_that_say_what_to_pass():
         ls.find_overflow(lambda w: w)
     with pytest.raises(ValueError, match=r"scale=-1\.0: pass a positive"):
         ls.find_overflow(lambda w: jnp.sum(w), jnp.ones(2), scale=-1.0)
+
+
+# ------------------------------------------------------------- loops, remat, custom rules
+
+
+def stacked_kernels(bad_layer, value):
+    w = np.stack([np.eye(4, dtype=np.float32)] * 4)
+    w[bad_layer] = value
+    return jnp.asarray(w)
+
+
+def scanned_loss(w, x):
+    def layer(h, w_i):
+        with jax.named_scope("layer"):
+            return h @ w_i.astype(F16), None  # <- scanned
+
+    return jnp.sum(jax.lax.scan(layer, x, w)[0].astype(F32))
+
+
+SCANNED_LINE = next(i + 1 for i, t in enumerate(Path(__file__).read_text().splitlines())
+                    if t.rstrip().endswith("# <- scanned"))
+
+
+def test_inside_lax_scan_the_iteration_of_the_overflowing_layer_is_reported():
+    forward = ls.find_overflow(scanned_loss, stacked_kernels(2, BIG), jnp.ones((1, 4), F16))
+    assert (forward.phase, forward.primitive, forward.loops) == ("forward", "dot_general",
+                                                                 (("scan", 2),))
+    assert forward.layer == "layer" and forward.line == SCANNED_LINE
+    backward = ls.find_overflow(scanned_loss, stacked_kernels(1, AMP),
+                                jnp.full((1, 4), SMALL, F16), scale=2.0**15)
+    assert (backward.phase, backward.loops) == ("backward", (("scan", 1),))
+    assert backward.primitive == "dot_general" and backward.line == SCANNED_LINE
+
+
+class ScanBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 4, use_bias=False, dtype=F16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.lin(x)  # <- nnx scanned
+
+
+class ScanNet(nnx.Module):
+    def __init__(self, bad_layer, value):
+        make_block = nnx.vmap(ScanBlock, in_axes=0, out_axes=0)
+        self.blocks = make_block(nnx.Rngs(0).split(4))
+        self.blocks.lin.kernel[...] = stacked_kernels(bad_layer, value)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(h, block):
+            return block(h)
+
+        return forward(x, self.blocks)
+
+
+def test_inside_nnx_scan_the_layer_index_and_line_are_reported():
+    loss_fn = loss_of(lambda m, x: m(x))
+    line = next(i + 1 for i, t in enumerate(Path(__file__).read_text().splitlines())
+                if t.rstrip().endswith("# <- nnx scanned"))
+    report = ls.find_overflow(loss_fn, ScanNet(3, BIG), jnp.ones((1, 4), F16))
+    assert (report.phase, report.primitive, report.loops) == ("forward", "dot_general",
+                                                             (("scan", 3),))
+    # nnx.scan merges a fresh block in its body: it is scoped by its class name.
+    assert report.layer.endswith("ScanBlock/lin") and report.line == line, report
+    backward = ls.find_overflow(loss_fn, ScanNet(0, AMP), jnp.full((1, 4), SMALL, F16),
+                                scale=2.0**15)
+    assert (backward.phase, backward.loops, backward.line) == ("backward", (("scan", 0),),
+                                                               line)
+
+
+def test_inside_jax_checkpoint_jit_cond_while_and_custom_rules():
+    @jax.custom_vjp
+    def passthrough(h):
+        return h
+
+    passthrough.defvjp(lambda h: (h, None), lambda _, g: (g,))
+
+    @jax.custom_jvp
+    def double(h):
+        return 2 * h
+
+    double.defjvp(lambda p, t: (2 * p[0], 2 * t[0]))
+
+    @jax.jit
+    def block(w, h):
+        with jax.named_scope("ckpt"):
+            return h @ w.astype(F16)  # <- remat
+
+    def loss_fn(params, x):
+        x = x @ params["v"].astype(F16)  # differentiated: its cotangent goes through all
+        x = jax.lax.cond(jnp.sum(x) > 0, lambda a: a, lambda a: -a, x)
+        n = jax.lax.while_loop(lambda c: c < 3, lambda c: c + 1, 0)
+        h = jax.checkpoint(block)(params["w"], passthrough(double(x)) * n.astype(F16))
+        return jnp.sum(h.astype(F32))
+
+    line = next(i + 1 for i, t in enumerate(Path(__file__).read_text().splitlines())
+                if t.rstrip().endswith("# <- remat"))
+    w = jnp.full((4, 4), AMP / 6, F32)  # the input is 6x the batch: 8 as above
+    x = jnp.full((1, 4), SMALL, F16)
+    v = jnp.eye(4, dtype=F32)
+    assert not ls.find_overflow(loss_fn, {"v": v, "w": w}, x)
+    report = ls.find_overflow(loss_fn, {"v": v, "w": w}, x, scale=2.0**15)
+    assert (report.phase, report.primitive, report.layer, report.line) == (
+        "backward", "dot_general", "ckpt", line), report
+    forward = ls.find_overflow(loss_fn, {"v": v, "w": jnp.full((4, 4), BIG, F32)},
+                               jnp.ones((1, 4), F16))
+    assert (forward.phase, forward.layer, forward.line) == ("forward", "ckpt", line)
+
+
+def test_the_jax_internals_the_interpreter_relies_on():
+    """Pins primitive names and parameter keys: a JAX release that renames one fails here."""
+    def f(w):
+        h = jax.checkpoint(jnp.sin)(w)
+        h = jax.jit(jnp.cos)(h)
+        h = jax.lax.scan(lambda c, _: (c * 2, None), h, None, length=2)[0]
+        h = jax.lax.cond(h[0] > 0, jnp.exp, jnp.tanh, h)
+        return jnp.sum(h)
+
+    forward = jax.make_jaxpr(lambda w: jax.vjp(f, w))(jnp.ones(2))
+    _, vjp = jax.vjp(f, jnp.ones(2))
+    backward = jax.make_jaxpr(lambda v: v(jnp.ones(())))(vjp)
+    names = {e.primitive.name: e.params for j in (forward, backward) for e in j.jaxpr.eqns}
+    assert {"jit", "scan", "cond", "remat2"} <= names.keys() <= (
+        _interpret.CALLS | {"scan", "cond", "while"} | set(names) - {"checkpoint"})
+    assert {"jaxpr", "num_consts", "num_carry", "length", "reverse"} <= names["scan"].keys()
+    assert "branches" in names["cond"] and "jaxpr" in names["remat2"]
+    loop = jax.make_jaxpr(lambda n: jax.lax.while_loop(lambda c: c < n, lambda c: c + 1, 0))(3)
+    (eqn,) = loop.jaxpr.eqns
+    assert {"cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts"} <= eqn.params.keys()
+    assert [type(e).__name__ for e in eqn.source_info.name_stack.stack] == []
+
+
+# ------------------------------------------------------------------ 8 virtual devices
+
+SHARDED = textwrap.dedent('''
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import loss_scaling as ls
+    assert jax.device_count() == 8
+    mesh = jax.make_mesh((8,), ("data",))
+    x = jax.device_put(jnp.ones((8, 4), jnp.float16), NamedSharding(mesh, P("data")))
+    w = jax.device_put(jnp.full((4, 4), {value}, jnp.float32), NamedSharding(mesh, P()))
+
+    @jax.jit
+    def loss_fn(w, x):
+        with jax.named_scope("sharded_layer"):
+            h = x @ w.astype(jnp.float16)
+        return jnp.mean(h.astype(jnp.float32))
+
+    report = ls.find_overflow(loss_fn, w, x)
+    print(repr((report.found, report.phase, report.primitive, report.layer)))
+''')
+
+
+@pytest.mark.parametrize("value, expected", [
+    (3e4, (True, "forward", "dot_general", "sharded_layer")),
+    (1.0, (False, None, None, ""))], ids=["overflow", "healthy"])
+def test_a_function_sharded_over_8_virtual_devices(value, expected):
+    env = {**__import__("os").environ,
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, "-c", SHARDED.format(value=value)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().splitlines()[-1] == repr(expected)

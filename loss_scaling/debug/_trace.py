@@ -165,16 +165,31 @@ def _key(entry: Any) -> Any:
     return str(entry)
 
 
+Walker = Callable[[Any], Iterator[tuple[tuple[Any, ...], Any]]]
+
+
 @contextlib.contextmanager
-def _module_scopes(modules: Sequence[tuple[tuple[Any, ...], Any]]) -> Iterator[None]:
-    """Each Module's ``__call__`` inside a named scope of its path, relative to its caller."""
+def _module_scopes(root: Any, walk: Walker) -> Iterator[None]:
+    """Each Module's ``__call__`` inside a named scope of its path, relative to its caller.
+
+    A Module not reachable from ``root`` (one that ``nnx.scan`` merged in its body) is
+    named by its class, and its own submodules are named below it.
+    """
+    modules = list(walk(root))
     paths = {id(m): path for path, m in modules}
     active: list[tuple[Any, ...]] = []
     patched: dict[type, Any] = {}
 
+    def path_of(module: Any) -> tuple[Any, ...]:
+        if id(module) not in paths:
+            paths[id(module)] = base = (type(module).__name__,)
+            for sub, child in walk(module):
+                paths.setdefault(id(child), base + sub)
+        return paths[id(module)]
+
     def scoped(original: Any) -> Any:
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-            path = paths.get(id(self), (type(self).__name__,))
+            path = path_of(self)
             if active and active[-1] == path or not path:  # super().__call__, or the root
                 return original(self, *args, **kwargs)
             top = active[-1] if active else ()
@@ -208,7 +223,7 @@ def run(p: Problem, visit: Visitor) -> None:
 
     def scaled_loss(xs: list[Any]) -> Any:
         args = rebuild(xs)
-        with _module_scopes(list(walk(args[0]))):
+        with _module_scopes(args[0], walk):
             out = p.loss_fn(*args)
         loss = out[0] if p.has_aux else out
         with jax.named_scope(SCALE_SCOPE):
