@@ -335,3 +335,170 @@ def test_a_function_sharded_over_8_virtual_devices(value, expected):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().splitlines()[-1] == repr(expected)
+
+
+# ------------------------------------------------------------------ float16_report
+
+
+def two_layer_loss(params, x):
+    with jax.named_scope("l1"):
+        h = x @ params["w1"]
+    with jax.named_scope("l2"):
+        y = h @ params["w2"]
+    return jnp.sum(y)
+
+
+TWO_LAYER = {"w1": np.arange(12, dtype=np.float32).reshape(3, 4) - 5.0,
+             "w2": 1e-6 * np.array([[1.0], [-2.0], [3.0], [4.0]], np.float32)}
+TWO_LAYER_X = np.array([[1.0, 2.0, 3.0], [-1.0, 0.5, 2.0]], np.float32)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**15])
+def test_the_readiness_report_matches_a_hand_computation_on_two_layers(scale):
+    w1, w2, x = TWO_LAYER["w1"], TWO_LAYER["w2"], TWO_LAYER_X
+    h = x @ w1
+    y = h @ w2
+    ct = np.full((2, 1), scale, np.float32)
+    hand = {  # layer: (forward max, backward max, backward entries below 2**-14)
+        "l1": (np.abs(h).max(), np.abs(x.T @ (ct @ w2.T)).max(), x.T @ (ct @ w2.T)),
+        "l2": (np.abs(y).max(), max(np.abs(h.T @ ct).max(), np.abs(ct @ w2.T).max()), None)}
+    table = ls.float16_report(two_layer_loss, jax.tree.map(jnp.asarray, TWO_LAYER),
+                              jnp.asarray(x), scale=scale)
+    rows = {row.layer: row for row in table.rows}
+    assert {"l1", "l2"} <= rows.keys() and len(rows) == 3  # and the sum, by its line
+    for layer, (fwd, bwd, _) in hand.items():
+        np.testing.assert_allclose(rows[layer].forward_max, fwd, rtol=1e-5)
+        np.testing.assert_allclose(rows[layer].backward_max, bwd, rtol=1e-5)
+        np.testing.assert_allclose(rows[layer].headroom,
+                                   min(np.log2(65504 / fwd), np.log2(65504 / bwd)), rtol=1e-5)
+    # l1's weight gradient is ~1e-5 at scale 1, all below float16's smallest normal; at
+    # 2**15 it is lifted into range.
+    dw1 = np.abs(hand["l1"][2])  # a third of it is exactly 0: x's first column sums to 0
+    assert np.all(dw1 < 2.0**-14) == (scale == 1.0)
+    assert rows["l1"].underflow == np.mean((dw1 > 0) & (dw1 < 2.0**-14))
+    assert rows["l1"].underflow == (8 / 12 if scale == 1.0 else 0.0)
+    assert rows["l1"].zero == 4 / 12
+    # l2's input cotangent, 1e-6 * scale, is below it at scale 1 (its weight's is not)
+    assert (0 < rows["l2"].underflow < 1) == (scale == 1.0) and rows["l2"].zero == 0.0
+    assert [r.headroom for r in table.rows] == sorted(r.headroom for r in table.rows)
+    (loss_row,) = [r for layer, r in rows.items() if layer not in hand]
+    assert loss_row.layer.startswith("test_overflow.py:") and loss_row.backward_max == scale
+    bwd_rooms = [np.log2(65504 / r.backward_max) for r in table.rows]
+    assert table.max_scale == scale * 2.0 ** np.floor(min(bwd_rooms))
+    assert table.fits == (min(r.headroom for r in table.rows) >= 0)
+    text = str(table)
+    assert "l1" in text and "underflow" in text and "largest safe scale" in text
+
+
+def test_the_readiness_report_on_the_demo_model_sorts_its_layers_by_headroom():
+    from loss_scaling import demo
+
+    model = demo.MLP(dtype=F16)
+    x, y = map(jnp.asarray, demo.make_spirals(32, seed=0))
+    params = model.init(jax.random.key(0), x)["params"]
+    table = ls.float16_report(lambda p, x, y: demo._cross_entropy(model, p, x, y),
+                              params, x, y, scale=2.0**15)
+    layers = {r.layer for r in table.rows}
+    assert {f"MLP/Dense_{i}" for i in range(demo.DEPTH + 1)} <= layers
+    assert [r.headroom for r in table.rows] == sorted(r.headroom for r in table.rows)
+    assert table.fits and table.max_scale >= 2.0**15
+    # The vanishing gradient: the lowest layer's cotangents are the smallest.
+    rows = {r.layer: r for r in table.rows}
+    assert rows["MLP/Dense_0"].backward_max < rows[f"MLP/Dense_{demo.DEPTH}"].backward_max
+
+
+class Attention(nnx.Module):
+    """One head (nnx.MultiHeadAttention's float16 dot_general asks for float32 results,
+    which XLA's CPU backend refuses)."""
+
+    def __init__(self, dim, rngs):
+        make = lambda: nnx.Linear(dim, dim, use_bias=False, dtype=F16, rngs=rngs)  # noqa: E731
+        self.query, self.key, self.value, self.out = make(), make(), make(), make()
+
+    def __call__(self, h):
+        q, k, v = self.query(h), self.key(h), self.value(h)
+        scores = jnp.einsum("btd,bsd->bts", q, k) / jnp.sqrt(jnp.float16(q.shape[-1]))
+        return self.out(jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores), v))
+
+
+class TinyTransformer(nnx.Module):
+    def __init__(self, rngs, vocab=11, dim=8):
+        self.embed = nnx.Embed(vocab, dim, dtype=F16, rngs=rngs)
+        self.attn = Attention(dim, rngs)
+        self.norm = nnx.LayerNorm(dim, dtype=F16, rngs=rngs)
+        self.mlp = nnx.Linear(dim, dim, dtype=F16, rngs=rngs)
+        self.head = nnx.Linear(dim, vocab, dtype=F16, rngs=rngs)
+
+    def __call__(self, tokens):
+        h = self.embed(tokens)
+        h = h + self.attn(h)
+        h = h + jax.nn.gelu(self.mlp(self.norm(h)))
+        return self.head(h)
+
+
+def test_the_readiness_report_on_a_small_transformer():
+    model = TinyTransformer(nnx.Rngs(0))
+    tokens = jnp.arange(12).reshape(2, 6) % 11
+
+    def loss_fn(model, tokens):
+        logits = model(tokens).astype(F32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+    table = ls.float16_report(loss_fn, model, tokens, scale=2.0**15)
+    layers = {r.layer for r in table.rows}
+    assert {"embed", "attn/query", "attn/key", "attn/value", "attn/out", "norm", "mlp",
+            "head"} <= layers, layers
+    assert [r.headroom for r in table.rows] == sorted(r.headroom for r in table.rows)
+    assert table.fits
+    found = ls.find_overflow(loss_fn, model, tokens, scale=2.0**30)
+    assert found.phase == "backward"
+
+
+# ------------------------------------------------------ nothing of it in the train step
+
+STEP_TEXT = textwrap.dedent('''
+    import sys, jax, jax.numpy as jnp, optax
+    from flax import nnx
+    import loss_scaling as ls
+
+    def step_text():
+        model = nnx.Linear(4, 4, dtype=jnp.float16, rngs=nnx.Rngs(0))
+        tx = ls.with_loss_scaling(optax.adam(1e-3), ls.DynamicLossScale())
+        optimizer = ls.nnx.Optimizer(model, tx, wrt=nnx.Param)
+        loss_fn = lambda m, x: jnp.sum(m(x).astype(jnp.float32))
+
+        @nnx.jit
+        def train_step(optimizer, model, x):
+            loss, grads = ls.value_and_grad(loss_fn)(optimizer, model, x)
+            optimizer.update(model, grads)
+            return loss
+
+        x = jnp.ones((2, 4), jnp.float16)
+        text = train_step.lower(optimizer, model, x).as_text(debug_info=True)
+        return text, (loss_fn, optimizer, model, x)
+
+    texts = []
+    for use_the_feature in (False, True):  # one call site: the locations are the same
+        if use_the_feature:
+            assert "loss_scaling.debug" not in sys.modules
+            assert ls.find_overflow(*args).phase == "backward"  # 2 * 2**15 in float16
+            ls.float16_report(*args)
+        text, args = step_text()
+        texts.append(text)
+    assert "callback" not in texts[1]
+    print(texts[0] == texts[1])
+''')
+
+
+def test_the_train_steps_compiled_text_is_unchanged_by_the_feature():
+    proc = subprocess.run([sys.executable, "-c", STEP_TEXT], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_import_loss_scaling_does_not_import_the_debugging_tools():
+    code = ("import sys, loss_scaling as ls; assert 'loss_scaling.debug' not in sys.modules; "
+            "ls.find_overflow; assert 'loss_scaling.debug' in sys.modules; "
+            "assert 'equinox' not in sys.modules and 'flax.nnx' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

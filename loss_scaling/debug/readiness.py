@@ -70,9 +70,10 @@ class Float16Report:
       rows: the :class:`LayerHeadroom` rows, sorted by ``headroom`` (ascending).
       scale: the loss scale of the backward pass.
       fits: whether every forward and backward value is within float16's range.
-      max_scale: the largest power-of-two loss scale at which no backward value
-        exceeds float16's range (cotangents are linear in the scale), or ``None``
-        without backward values.
+      max_scale: the largest power-of-two multiple of ``scale`` at which no backward
+        value exceeds float16's range (cotangents are linear in the scale), or ``None``
+        without backward values or when some already overflowed at ``scale`` (run it
+        again at a smaller one).
     """
 
     rows: tuple[LayerHeadroom, ...]
@@ -165,11 +166,11 @@ def _table(records: list[tuple[str, str, str, str, Any]], scale: float) -> Float
             row["size"] += int(size)
     rows = [_row(layer, row) for layer, row in layers.items()]
     rows.sort(key=lambda r: r.headroom)
-    backward = [r.backward_headroom for r in rows if r.backward_max > 0]
-    max_scale = scale * 2.0 ** math.floor(min(backward)) if backward else None
-    fits = all(r.headroom >= 0 for r in rows)
-    return Float16Report(tuple(rows), scale, fits,
-                         max_scale if max_scale is None or math.isfinite(max_scale) else None)
+    room = min((r.backward_headroom for r in rows if r.backward_max > 0), default=None)
+    max_scale = None  # no backward values, or some already overflowed at this scale
+    if room is not None and math.isfinite(room):
+        max_scale = scale * 2.0 ** math.floor(room)
+    return Float16Report(tuple(rows), scale, all(r.headroom >= 0 for r in rows), max_scale)
 
 
 def _row(layer: str, row: dict[str, Any]) -> LayerHeadroom:
