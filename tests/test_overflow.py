@@ -502,3 +502,23 @@ def test_import_loss_scaling_does_not_import_the_debugging_tools():
             "ls.find_overflow; assert 'loss_scaling.debug' in sys.modules; "
             "assert 'equinox' not in sys.modules and 'flax.nnx' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_check_failure_messages_point_to_both_tools():
+    tx = ls.with_loss_scaling(optax.sgd(0.1), ls.DynamicLossScale(init_scale=2.0**-125))
+    params = {"w": jnp.ones(2)}
+    step = jax.jit(lambda p, s, g: ls.apply_gradients(tx, g, s, p))
+    state = tx.init(params)
+    for _ in range(2):
+        params, state = step(params, state, {"w": jnp.array([jnp.inf, 1.0])})
+    with pytest.raises(ls.LossScaleError) as error:
+        ls.check(state)
+    skips = ls.with_loss_scaling(optax.sgd(0.1), max_consecutive_skips=1)
+    skip_state = skips.init(params)
+    _, skip_state = jax.jit(lambda p, s, g: ls.apply_gradients(skips, g, s, p))(
+        params, skip_state, {"w": jnp.array([jnp.nan, 1.0])})
+    with pytest.raises(ls.LossScaleError) as too_many:
+        ls.check(skip_state)
+    for message in (str(error.value), str(too_many.value)):
+        assert "loss_scaling.find_overflow" in message
+        assert "loss_scaling.float16_report" in message
