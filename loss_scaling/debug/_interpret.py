@@ -1,7 +1,7 @@
 """An eager jaxpr interpreter that shows every leaf equation's values to a visitor.
 
-``jax.core.eval_jaxpr`` semantics (``eqn.primitive.bind(*invals, **get_bind_params(eqn.params))`` under the
-equation's context), except that the higher-order primitives are interpreted rather than
+``jax.core.eval_jaxpr`` semantics (``eqn.primitive.bind(*invals, **bind_params)`` under
+the equation's context), except that the higher-order primitives are interpreted rather than
 bound: ``jit`` / ``closed_call``, ``checkpoint`` (``remat``), ``custom_jvp_call`` /
 ``custom_vjp_call`` (their primal function), ``cond`` (the taken branch), and ``scan`` /
 ``while`` one iteration at a time, so that a visitor sees the equations of the iteration

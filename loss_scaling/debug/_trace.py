@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -114,12 +114,12 @@ def _split(p: Problem) -> tuple[list[Any], Callable[[list[Any]], tuple[Any, ...]
         from flax import nnx
 
         if nnx.graph.is_graph_node(first):
-            graphdef, diff, other = nnx.split(first, p.wrt or nnx.Param, ...)
+            graphdef, diff, *others = nnx.split(first, p.wrt or nnx.Param, ...)
             leaves, treedef = jax.tree.flatten(diff)
 
             def rebuild_nnx(xs: list[Any]) -> tuple[Any, ...]:
                 state = jax.tree.unflatten(treedef, xs)
-                return (nnx.merge(graphdef, state, other), *rest)
+                return (nnx.merge(graphdef, state, *others), *rest)
 
             return leaves, rebuild_nnx, _nnx_modules
     leaves, treedef = jax.tree.flatten(first)
@@ -204,7 +204,7 @@ def _module_scopes(root: Any, walk: Walker) -> Iterator[None]:
 
     for _, module in modules:
         cls = type(module)
-        if cls not in patched and callable(getattr(cls, "__call__", None)):
+        if cls not in patched and "__call__" in dir(cls):
             patched[cls] = cls.__dict__.get("__call__")
             type.__setattr__(cls, "__call__", scoped(cls.__call__))
     try:
@@ -248,7 +248,7 @@ def library_dirs() -> list[str]:
     dirs += [os.path.join(package, name) for name in sorted(os.listdir(package))
              if name.endswith(".py") and name != "demo.py"]  # the demo's model is user code
     for name in ("flax", "equinox", "optax", "haiku", "chex"):
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, "__file__", None):
-            dirs.append(os.path.dirname(module.__file__) + os.sep)
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            dirs.append(os.path.dirname(path) + os.sep)
     return dirs

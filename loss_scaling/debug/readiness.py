@@ -97,7 +97,8 @@ class Float16Report:
             lines.append(f"{r.layer:<{width}}  {r.forward_max:>9.3g}  {r.backward_max:>9.3g}  "
                          f"{r.headroom:>8.1f}  {r.underflow:>9.2%}  {r.op}")
         verdict = "fits float16" if self.fits else "does NOT fit float16"
-        safe = "" if self.max_scale is None else f"; largest safe scale 2**{math.log2(self.max_scale):g}"
+        safe = ("" if self.max_scale is None
+                else f"; largest safe scale 2**{math.log2(self.max_scale):g}")
         lines.append(f"{verdict}{safe}")
         return "\n".join(lines)
 
