@@ -41,12 +41,15 @@ __all__ = [
     "DynamicLossScale",
     "FORMAT_VERSION",
     "Failure",
+    "Float16Report",
+    "LayerHeadroom",
     "LossScale",
     "LossScaleError",
     "LossScaleWarning",
     "LossScalingState",
     "LossScalingTransformation",
     "NoOpLossScale",
+    "OverflowReport",
     "SUSPICIOUS_GROWTHS",
     "StaticLossScale",
     "TrainState",
@@ -55,6 +58,8 @@ __all__ = [
     "apply_gradients",
     "check",
     "check_same_config",
+    "find_overflow",
+    "float16_report",
     "from_bytes",
     "from_state_dict",
     "get_loss_scale",
@@ -73,9 +78,13 @@ __all__ = [
     "with_loss_scaling",
 ]
 
-# Imported on first use: `import loss_scaling` never imports Orbax, flax.nnx or Equinox.
+# Imported on first use: `import loss_scaling` never imports Orbax, flax.nnx or Equinox,
+# nor the debugging tools (loss_scaling.debug), which no training step needs.
 _LAZY = {"orbax_save_args": ("loss_scaling.orbax", "save_args"),
-         "orbax_restore": ("loss_scaling.orbax", "restore")}
+         "orbax_restore": ("loss_scaling.orbax", "restore"),
+         **{name: ("loss_scaling.debug", name) for name in (
+             "find_overflow", "float16_report", "OverflowReport", "Float16Report",
+             "LayerHeadroom")}}
 
 
 def __getattr__(name: str) -> object:
@@ -83,7 +92,7 @@ def __getattr__(name: str) -> object:
     first use."""
     import importlib
 
-    if name in ("nnx", "equinox"):
+    if name in ("nnx", "equinox", "debug"):
         return importlib.import_module(f"loss_scaling.{name}")
     if name in _LAZY:
         module, attribute = _LAZY[name]

@@ -74,7 +74,10 @@ BACKOFF_UNDERFLOW = (
     "optimizer state stay as they were) instead of continuing silently. The gradients keep "
     "overflowing at every scale: look for a NaN/inf in the loss or the model itself (pass "
     "`loss=loss` to the optimizer update and read `nonfinite_loss_steps` and "
-    "`loss_scaling.nonfinite_grad_paths`), or pass `min_scale=...` to clamp the backoff."
+    "`loss_scaling.nonfinite_grad_paths`), or pass `min_scale=...` to clamp the backoff. "
+    "`loss_scaling.find_overflow(loss_fn, *args)` names the layer, op and line where the "
+    "first inf/NaN appears (forward or backward); `loss_scaling.float16_report` shows "
+    "whether the model fits float16 at all."
 )
 
 INVALID_SCALE = (
@@ -91,7 +94,9 @@ TOO_MANY_SKIPS = (
     "scale is now {scale!r}. Gradient leaves non-finite on the last skipped step: {leaves}. "
     "The run is not recovering by backing off, so it stops (every later step is skipped, "
     "params and optimizer state stay as they were): look for the source of the inf/NaN "
-    "there (or raise max_consecutive_skips)."
+    "there (or raise max_consecutive_skips). `loss_scaling.find_overflow(loss_fn, *args)` "
+    "names the layer, op and line where the first inf/NaN appears (forward or backward); "
+    "`loss_scaling.float16_report` shows whether the model fits float16 at all."
 )
 
 

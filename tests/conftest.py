@@ -64,6 +64,12 @@ SLOW_TESTS = (
     "tests/test_nnx.py::test_check_reads_a_failure_from_the_optimizer_its_state_and_split",
     "tests/test_equinox.py::test_a_wrong_first_argument_says_what_it_must_be",
     "tests/test_beyond.py::test_loss_scale_for_in_a_wrapper_train_step",
+    # The debugging tools run op by op: a real model is hundreds of eager compiles.
+    "tests/test_overflow.py::test_a_function_sharded_over_8_virtual_devices",  # subprocess
+    "tests/test_overflow.py::test_the_train_steps_compiled_text_is_unchanged_by_the_feature",
+    "tests/test_overflow.py::test_the_readiness_report_on_the_demo_model_sorts_its_layers_by_headroom",
+    "tests/test_overflow.py::test_the_readiness_report_on_a_small_transformer",
+    "tests/test_overflow.py::test_inside_nnx_scan_the_layer_index_and_line_are_reported",
 )
 
 

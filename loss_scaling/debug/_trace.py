@@ -1,0 +1,254 @@
+"""The scaled loss of one batch, forward and backward, run through the interpreter.
+
+What is differentiated follows each recipe: an ``nnx`` Module argument by the optimizer's
+``wrt`` filter (``nnx.Param`` without an optimizer), anything else (linen / plain params,
+an Equinox module) by its floating-point array leaves. The forward pass is the jaxpr of
+``jax.vjp`` of the scaled loss (its outputs: the scaled loss and the residuals); the
+backward pass is the jaxpr of the returned VJP applied to a cotangent of one. Each is
+interpreted on its own, so every equation is known to be forward or backward.
+
+flax ``nnx`` and Equinox put no module paths into JAX's name stack (linen does): while the
+loss is traced, each of their Modules' ``__call__`` runs inside a ``jax.named_scope`` of
+its attribute path (``blocks.0`` then ``lin``), and the classes are restored afterwards.
+A Module that the trace creates (inside ``nnx.scan``) is scoped by its class name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from loss_scaling import scalers, tree
+from loss_scaling.debug import _interpret
+from loss_scaling.debug._interpret import Visitor, Where
+from loss_scaling.lookup import get_loss_scale
+
+SCALE_SCOPE = "loss_scaling.scale"  # the scope of the loss-times-scale multiplication
+
+BAD_SCALE = (
+    "scale={value!r}: pass a positive finite number, a loss-scale state, or None (the "
+    "scale held by the first argument, else 1)."
+)
+NO_ARGUMENTS = (
+    "find_overflow / float16_report need loss_fn's arguments after it: the parameters (or "
+    "the model) first, e.g. `ls.find_overflow(loss_fn, params, batch)`, optionally preceded "
+    "by the optimizer (or opt_state / TrainState) that holds the loss scale."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What to run: ``loss_fn``'s arguments, the scaler, and the nnx ``wrt`` filter."""
+
+    loss_fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    scaler: Any
+    wrt: Any
+    has_aux: bool
+
+
+def _held_scale(first: Any) -> Any:
+    if isinstance(first, scalers.LossScale):
+        return first
+    if isinstance(first, jax.Array) or not jax.tree.leaves(first):
+        return None
+    try:
+        return get_loss_scale(first)
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def _is_nnx_optimizer(x: Any) -> bool:
+    if "flax.nnx" not in sys.modules:
+        return False
+    from flax import nnx
+
+    return isinstance(x, nnx.Optimizer)
+
+
+def problem(loss_fn: Callable[..., Any], args: tuple[Any, ...], scale: Any,
+            has_aux: bool) -> Problem:
+    """Splits off a leading holder of the loss scale and settles the scale to use."""
+    if not args:
+        raise TypeError(NO_ARGUMENTS)
+    held, wrt = _held_scale(args[0]), None
+    if _is_nnx_optimizer(args[0]):
+        wrt, args = args[0].wrt, args[1:]
+    elif held is not None:
+        args = args[1:]
+    if not args:
+        raise TypeError(NO_ARGUMENTS)
+    return Problem(loss_fn, args, _scaler(scale, held), wrt, has_aux)
+
+
+def _scaler(scale: Any, held: Any) -> Any:
+    if scale is None:
+        return held if held is not None else scalers.NoOpLossScale()
+    if isinstance(scale, scalers.LossScale):
+        return scale
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(BAD_SCALE.format(value=scale)) from None
+    if not (value > 0 and jnp.isfinite(value)):
+        raise ValueError(BAD_SCALE.format(value=scale))
+    return scalers.StaticLossScale(value)
+
+
+def scale_value(p: Problem) -> float:
+    """The loss scale as a Python float."""
+    return float(p.scaler.loss_scale)
+
+
+def _split(p: Problem) -> tuple[list[Any], Callable[[list[Any]], tuple[Any, ...]], Any]:
+    """The differentiated leaves, how to rebuild the arguments, and the module walker."""
+    first, rest = p.args[0], p.args[1:]
+    if "flax.nnx" in sys.modules:
+        from flax import nnx
+
+        if nnx.graph.is_graph_node(first):
+            graphdef, diff, *others = nnx.split(first, p.wrt or nnx.Param, ...)
+            leaves, treedef = jax.tree.flatten(diff)
+
+            def rebuild_nnx(xs: list[Any]) -> tuple[Any, ...]:
+                state = jax.tree.unflatten(treedef, xs)
+                return (nnx.merge(graphdef, state, *others), *rest)
+
+            return leaves, rebuild_nnx, _nnx_modules
+    leaves, treedef = jax.tree.flatten(first)
+    diff_at = [i for i, x in enumerate(leaves) if _interpret.is_float(x)]
+
+    def rebuild(xs: list[Any]) -> tuple[Any, ...]:
+        full = list(leaves)
+        for i, x in zip(diff_at, xs, strict=True):
+            full[i] = x
+        return (jax.tree.unflatten(treedef, full), *rest)
+
+    return [leaves[i] for i in diff_at], rebuild, _eqx_modules
+
+
+def _nnx_modules(root: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    from flax import nnx
+
+    for path, node in nnx.iter_graph(root):
+        if isinstance(node, nnx.Module):
+            yield tuple(path), node
+
+
+def _eqx_modules(root: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    if "equinox" not in sys.modules:
+        return
+    import equinox as eqx
+
+    if not prefix and isinstance(root, eqx.Module):
+        yield (), root
+    children = jax.tree_util.tree_flatten_with_path(
+        root, is_leaf=lambda x: x is not root and isinstance(x, eqx.Module))[0]
+    for path, child in children:
+        if isinstance(child, eqx.Module):
+            keys = (*prefix, *(_key(k) for k in path))
+            yield keys, child
+            yield from _eqx_modules(child, keys)
+
+
+def _key(entry: Any) -> Any:
+    for attribute in ("name", "key", "idx"):
+        if hasattr(entry, attribute):
+            return getattr(entry, attribute)
+    return str(entry)
+
+
+Walker = Callable[[Any], Iterator[tuple[tuple[Any, ...], Any]]]
+
+
+@contextlib.contextmanager
+def _module_scopes(root: Any, walk: Walker) -> Iterator[None]:
+    """Each Module's ``__call__`` inside a named scope of its path, relative to its caller.
+
+    A Module not reachable from ``root`` (one that ``nnx.scan`` merged in its body) is
+    named by its class, and its own submodules are named below it.
+    """
+    modules = list(walk(root))
+    paths = {id(m): path for path, m in modules}
+    active: list[tuple[Any, ...]] = []
+    patched: dict[type, Any] = {}
+
+    def path_of(module: Any) -> tuple[Any, ...]:
+        if id(module) not in paths:
+            paths[id(module)] = base = (type(module).__name__,)
+            for sub, child in walk(module):
+                paths.setdefault(id(child), base + sub)
+        return paths[id(module)]
+
+    def scoped(original: Any) -> Any:
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            path = path_of(self)
+            if active and active[-1] == path or not path:  # super().__call__, or the root
+                return original(self, *args, **kwargs)
+            top = active[-1] if active else ()
+            relative = path[len(top):] if path[:len(top)] == top and top else path
+            active.append(path)
+            try:
+                with jax.named_scope(".".join(map(str, relative))):
+                    return original(self, *args, **kwargs)
+            finally:
+                active.pop()
+        return __call__
+
+    for _, module in modules:
+        cls = type(module)
+        if cls not in patched and "__call__" in dir(cls):
+            patched[cls] = cls.__dict__.get("__call__")
+            type.__setattr__(cls, "__call__", scoped(cls.__call__))
+    try:
+        yield
+    finally:
+        for cls, original in patched.items():
+            if original is None:
+                type.__delattr__(cls, "__call__")
+            else:
+                type.__setattr__(cls, "__call__", original)
+
+
+def run(p: Problem, visit: Visitor) -> None:
+    """Interprets the forward pass, then the backward pass of the scaled loss."""
+    leaves, rebuild, walk = _split(p)
+
+    def scaled_loss(xs: list[Any]) -> Any:
+        args = rebuild(xs)
+        with _module_scopes(args[0], walk):
+            out = p.loss_fn(*args)
+        loss = out[0] if p.has_aux else out
+        with jax.named_scope(SCALE_SCOPE):
+            return tree.scale(p.scaler, loss)
+
+    forward, shape = jax.make_jaxpr(lambda xs: jax.vjp(scaled_loss, xs), return_shape=True)(
+        leaves)
+    outs = _interpret.run(forward.jaxpr, forward.consts, leaves, Where("forward"), visit)
+    loss, vjp = jax.tree.unflatten(jax.tree.structure(shape), outs)
+    cotangent = jnp.ones_like(loss)
+    backward = jax.make_jaxpr(lambda vjp: vjp(cotangent))(vjp)
+    _interpret.run(backward.jaxpr, backward.consts, jax.tree.leaves(vjp), Where("backward"),
+                   visit)
+
+
+def library_dirs() -> list[str]:
+    """Directories whose frames are not the user's: the frameworks and this library."""
+    import loss_scaling
+
+    package = os.path.dirname(loss_scaling.__file__)
+    dirs = [os.path.join(package, "debug") + os.sep]
+    dirs += [os.path.join(package, name) for name in sorted(os.listdir(package))
+             if name.endswith(".py") and name != "demo.py"]  # the demo's model is user code
+    for name in ("flax", "equinox", "optax", "haiku", "chex"):
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            dirs.append(os.path.dirname(path) + os.sep)
+    return dirs

@@ -1,0 +1,161 @@
+"""``find_overflow``: the first equation of one training step whose value is not finite."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from loss_scaling.debug import _interpret, _trace
+from loss_scaling.debug._interpret import Where
+
+__all__ = ["OverflowReport", "find_overflow"]
+
+_EQUATION_CHARS = 240
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowReport:
+    """Where the first inf or NaN of a step appeared (or that none did).
+
+    ``bool(report)`` is ``report.found``.
+
+    Attributes:
+      found: whether a non-finite value appeared; when ``False`` the other fields are
+        ``None`` (or empty) and ``scale`` is the scale that was tried.
+      scale: the loss scale of the backward pass.
+      phase: ``"forward"`` (the loss itself) or ``"backward"`` (the gradient of the loss
+        times ``scale``).
+      primitive: the JAX primitive that produced it (``"dot_general"``, ``"exp"``, ...).
+      file, line, function: the user's source line that emitted the equation (the
+        innermost frame outside JAX, flax, Equinox, optax and this library).
+      layer: the module path (flax nnx / linen, Equinox) and ``jax.named_scope`` names
+        around the equation, joined by ``/``; ``""`` at the top level.
+      name_stack: JAX's full name stack, transformations included (``transpose(jvp())``).
+      dtype: the dtype of the non-finite output (``"float16"``).
+      shape: its shape.
+      max_finite_input: the largest finite magnitude among the equation's floating
+        inputs (``None`` when it has none): compare it with the dtype's maximum.
+      inputs_finite: whether all of the inputs were finite (``False`` points at an
+        argument: the batch or the params already held an inf or NaN).
+      loops: the ``("scan" | "while", iteration)`` pairs of the loops around it,
+        outermost first (a layer stack scanned by ``nnx.scan`` / ``lax.scan``).
+      equation: the equation as JAX prints it, shortened.
+    """
+
+    found: bool
+    scale: float
+    phase: str | None = None
+    primitive: str | None = None
+    file: str | None = None
+    line: int | None = None
+    function: str | None = None
+    layer: str = ""
+    name_stack: str = ""
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    max_finite_input: float | None = None
+    inputs_finite: bool = True
+    loops: tuple[tuple[str, int], ...] = ()
+    equation: str = ""
+
+    def __bool__(self) -> bool:
+        return self.found
+
+    def __str__(self) -> str:
+        if not self.found:
+            return (f"find_overflow: every value of the forward pass and of the backward "
+                    f"pass at scale {self.scale:g} is finite.")
+        lines = [f"find_overflow: the first non-finite value is in the {self.phase} pass"
+                 + (f" (loss scale {self.scale:g})" if self.phase == "backward" else ""),
+                 f"  layer:      {self.layer or '(top level)'}",
+                 f"  primitive:  {self.primitive} -> {self.dtype}{list(self.shape or ())}",
+                 f"  source:     {self.file}:{self.line} ({self.function})",
+                 f"  name stack: {self.name_stack}"]
+        if self.loops:
+            lines.append("  loops:      " + ", ".join(f"{k} iteration {i}" for k, i in self.loops))
+        if self.max_finite_input is not None:
+            top = float(np.finfo(self.dtype).max) if self.dtype else float("nan")
+            lines.append(f"  largest finite input magnitude: {self.max_finite_input:.4g} "
+                         f"({self.dtype} max {top:.4g})")
+        if not self.inputs_finite:
+            lines.append("  an input was already non-finite: check the batch and params")
+        return "\n".join(lines)
+
+
+class _Found(Exception):
+    def __init__(self, report: OverflowReport) -> None:
+        self.report = report
+
+
+def find_overflow(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
+                  has_aux: bool = False) -> OverflowReport:
+    """Runs one step's forward and backward pass an op at a time; reports the first inf/NaN.
+
+    A debugging tool, run eagerly on one batch and never compiled into a training step:
+    the loss is traced to a jaxpr, ``jax.vjp`` of the loss times ``scale`` is interpreted
+    equation by equation (descending into ``jit``, ``scan``, ``cond``, ``while``,
+    ``checkpoint``, ``custom_jvp`` and ``custom_vjp``; loops iteration by iteration),
+    forward pass first, and the first equation with a non-finite floating output is
+    described. Differentiated as the recipes differentiate: an ``nnx`` model by the
+    optimizer's ``wrt`` filter (``nnx.Param`` without one), linen / plain params and
+    Equinox modules by their floating-point arrays. The model is not modified.
+
+    Args:
+      loss_fn: ``loss_fn(params_or_model, *batch) -> loss`` (or ``(loss, aux)``).
+      *args: ``loss_fn``'s arguments, optionally preceded by what holds the loss scale,
+        as ``ls.value_and_grad`` takes them: ``(optimizer, model, *batch)`` for nnx,
+        ``(state, state.params, *batch)``, ``(opt_state, params, *batch)``, or just
+        ``(params_or_model, *batch)``.
+      scale: the loss scale of the backward pass; by default the scale held by the first
+        argument, else 1.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+    Returns:
+      An :class:`OverflowReport`; ``report.found`` is ``False`` (and the report is falsy)
+      when every value was finite.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import loss_scaling as ls
+      >>> loss_fn = lambda w, x: jnp.sum(jnp.exp(w * x))
+      >>> w = jnp.array([1.0, 2.0], jnp.float16)
+      >>> report = ls.find_overflow(loss_fn, w, jnp.array([1.0, 12.0], jnp.float16))
+      >>> report.phase, report.primitive, report.dtype
+      ('forward', 'exp', 'float16')
+      >>> bool(ls.find_overflow(loss_fn, w, jnp.ones(2, jnp.float16)))
+      False
+    """
+    p = _trace.problem(loss_fn, args, scale, has_aux)
+    skip = _trace.library_dirs()
+
+    def visit(eqn: Any, invals: Sequence[Any], outvals: Sequence[Any], where: Where) -> None:
+        for out in outvals:
+            if _interpret.is_float(out) and not bool(jnp.all(jnp.isfinite(out))):
+                raise _Found(_describe(eqn, invals, out, where, skip, p))
+
+    try:
+        _trace.run(p, visit)
+    except _Found as found:
+        return found.report
+    return OverflowReport(found=False, scale=_trace.scale_value(p))
+
+
+def _describe(eqn: Any, invals: Sequence[Any], out: Any, where: Where,
+              skip: Sequence[str], p: _trace.Problem) -> OverflowReport:
+    floats = [jnp.asarray(x) for x in invals if _interpret.is_float(x)]
+    finite = [jnp.where(jnp.isfinite(x), jnp.abs(x), 0) for x in floats if x.size]
+    frame = _interpret.user_frame(eqn, skip)
+    return OverflowReport(
+        found=True, scale=_trace.scale_value(p), phase=where.phase,
+        primitive=eqn.primitive.name,
+        file=frame.file_name if frame else None, line=frame.start_line if frame else None,
+        function=frame.function_name if frame else None,
+        layer="/".join(_interpret.scopes(where.name_stack)),
+        name_stack=str(where.name_stack), dtype=str(out.dtype), shape=tuple(out.shape),
+        max_finite_input=max((float(jnp.max(x)) for x in finite), default=None),
+        inputs_finite=all(bool(jnp.all(jnp.isfinite(x))) for x in floats),
+        loops=where.loops, equation=str(eqn)[:_EQUATION_CHARS])

@@ -1,0 +1,524 @@
+"""ls.find_overflow and ls.float16_report on models built to overflow in a known place.
+
+Every framework gets the same two-layer network, ``first`` (identity) then ``second``:
+
+* forward overflow: ``second``'s kernel is all 3e4, the input ones, so its float16
+  activations are 4 * 3e4 = 1.2e5 > 65504 (``dot_general`` in ``second``);
+* backward-only overflow: the input is 1e-3 and ``second``'s kernel all 8, so the forward
+  values stay below 0.04, but at scale 2**15 the cotangent of ``second``'s input is
+  4 * 8 * 2**15 = 2**20 > 65504 (at scale 1 it is 32: healthy).
+
+The line asserted is the user's line that calls ``second`` (marked ``# <- second``).
+"""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import loss_scaling as ls
+from loss_scaling.debug import _interpret
+
+F16, F32 = jnp.float16, jnp.float32
+BIG, AMP, SMALL = 3e4, 8.0, 1e-3
+SECOND_LINES = [i + 1 for i, text in enumerate(Path(__file__).read_text().splitlines())
+                if text.rstrip().endswith("# <- second")]
+
+
+def kernels(second):
+    return np.eye(4, dtype=np.float32), np.full((4, 4), second, np.float32)
+
+
+# ------------------------------------------------------------------------- the models
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, second):
+        self.first = nnx.Linear(4, 4, use_bias=False, dtype=F16, rngs=nnx.Rngs(0))
+        self.second = nnx.Linear(4, 4, use_bias=False, dtype=F16, rngs=nnx.Rngs(1))
+        self.first.kernel[...], self.second.kernel[...] = map(jnp.asarray, kernels(second))
+
+    def __call__(self, x):
+        return self.second(self.first(x))  # <- second
+
+
+class LinenNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(4, use_bias=False, dtype=F16, name="first")(x)
+        return nn.Dense(4, use_bias=False, dtype=F16, name="second")(x)  # <- second
+
+
+class EqxNet(eqx.Module):
+    first: eqx.nn.Linear
+    second: eqx.nn.Linear
+
+    def __init__(self, second):
+        a, b = kernels(second)
+        self.first = eqx.nn.Linear(4, 4, use_bias=False, key=jax.random.key(0))
+        self.second = eqx.nn.Linear(4, 4, use_bias=False, key=jax.random.key(1))
+        self.first = eqx.tree_at(lambda m: m.weight, self.first, jnp.asarray(a.T, F16))
+        self.second = eqx.tree_at(lambda m: m.weight, self.second, jnp.asarray(b.T, F16))
+
+    def __call__(self, x):
+        x = jax.vmap(self.first)(x.astype(F16))
+        return jax.vmap(self.second)(x)  # <- second
+
+
+def plain_net(params, x):
+    with jax.named_scope("first"):
+        x = x @ params["first"].astype(F16)
+    with jax.named_scope("second"):
+        return x @ params["second"].astype(F16)  # <- second
+
+
+def loss_of(apply):
+    return lambda model, x: jnp.sum(apply(model, x).astype(F32))
+
+
+def make(framework, second):
+    """``(loss_fn, model_or_params, expected layer)`` for one framework."""
+    if framework == "nnx":
+        return loss_of(lambda m, x: m(x)), NnxNet(second), "second"
+    if framework == "linen":
+        a, b = kernels(second)
+        params = {"params": {"first": {"kernel": a}, "second": {"kernel": b}}}
+        return loss_of(LinenNet().apply), jax.tree.map(jnp.asarray, params), "LinenNet/second"
+    if framework == "equinox":
+        return loss_of(lambda m, x: m(x)), EqxNet(second), "second/eqx.nn.Linear"
+    a, b = kernels(second)
+    return loss_of(plain_net), {"first": jnp.asarray(a), "second": jnp.asarray(b)}, "second"
+
+
+FRAMEWORKS = pytest.mark.parametrize("framework", ["nnx", "linen", "equinox", "plain"])
+
+
+def assert_in_second(report, phase, layer):
+    assert report.found and bool(report)
+    assert (report.phase, report.primitive, report.dtype) == (phase, "dot_general", "float16")
+    assert report.layer == layer, report
+    assert report.file == __file__ and report.line in SECOND_LINES, report
+    assert report.inputs_finite
+    text = str(report)
+    assert f"{phase} pass" in text and "dot_general" in text and f":{report.line} " in text
+
+
+@FRAMEWORKS
+def test_a_forward_overflow_is_found_in_the_named_layer(framework):
+    loss_fn, model, layer = make(framework, BIG)
+    report = ls.find_overflow(loss_fn, model, jnp.ones((1, 4), F16))
+    assert_in_second(report, "forward", layer)
+    assert report.max_finite_input == BIG  # the kernel; its input is 1
+    assert report.shape == (1, 4) or framework == "equinox"  # vmapped: one example
+
+
+@FRAMEWORKS
+def test_a_backward_only_overflow_is_found_in_the_named_layer_at_scale_2_15(framework):
+    loss_fn, model, layer = make(framework, AMP)
+    x = jnp.full((1, 4), SMALL, F16)
+    assert not ls.find_overflow(loss_fn, model, x)  # scale 1: healthy
+    report = ls.find_overflow(loss_fn, model, x, scale=2.0**15)
+    assert_in_second(report, "backward", layer)
+    assert report.scale == 2.0**15 and "loss scale 32768" in str(report)
+    assert report.max_finite_input == 2.0**15  # the cotangent of second's output
+
+
+@FRAMEWORKS
+def test_a_healthy_model_reports_nothing(framework):
+    loss_fn, model, _ = make(framework, 0.5)
+    report = ls.find_overflow(loss_fn, model, jnp.ones((2, 4), F16), scale=2.0**10)
+    assert not report.found and not report and report.phase is None
+    assert str(report).startswith("find_overflow: every value")
+
+
+def test_the_default_scale_is_the_one_the_first_argument_holds():
+    loss_fn, model, _ = make("nnx", AMP)
+    x = jnp.full((1, 4), SMALL, F16)
+    tx = ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(2.0**15))
+    optimizer = ls.nnx.Optimizer(model, tx, wrt=nnx.Param)
+    report = ls.find_overflow(loss_fn, optimizer, model, x)
+    assert (report.phase, report.scale, report.layer) == ("backward", 2.0**15, "second")
+    loss_fn, params, _ = make("plain", AMP)
+    state = ls.TrainState.create(apply_fn=None, params=params, tx=tx)
+    assert ls.find_overflow(loss_fn, state, state.params, x).phase == "backward"
+    assert ls.find_overflow(loss_fn, state.opt_state, params, x).scale == 2.0**15
+    assert not ls.find_overflow(loss_fn, state, params, x, scale=1.0)
+
+
+def test_nnx_differentiates_the_optimizers_wrt_filter_only():
+    loss_fn, model, _ = make("nnx", AMP)
+    model.first.kernel = nnx.Variable(model.first.kernel[...])  # not a Param: not in wrt
+    tx = ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(2.0**15))
+    optimizer = ls.nnx.Optimizer(model, tx, wrt=nnx.Param)
+    x = jnp.full((1, 4), SMALL, F16)
+    # Only second's kernel is differentiated: its cotangent, x^T * 2**15 = 32.8, is
+    # finite; the input cotangent that overflows is never computed.
+    assert not ls.find_overflow(loss_fn, optimizer, model, x)
+
+
+def test_bad_arguments_get_errors_that_say_what_to_pass():
+    with pytest.raises(TypeError, match="loss_fn's arguments"):
+        ls.find_overflow(lambda w: w)
+    with pytest.raises(ValueError, match=r"scale=-1\.0: pass a positive"):
+        ls.find_overflow(lambda w: jnp.sum(w), jnp.ones(2), scale=-1.0)
+
+
+# ------------------------------------------------------------- loops, remat, custom rules
+
+
+def stacked_kernels(bad_layer, value):
+    w = np.stack([np.eye(4, dtype=np.float32)] * 4)
+    w[bad_layer] = value
+    return jnp.asarray(w)
+
+
+def scanned_loss(w, x):
+    def layer(h, w_i):
+        with jax.named_scope("layer"):
+            return h @ w_i.astype(F16), None  # <- scanned
+
+    return jnp.sum(jax.lax.scan(layer, x, w)[0].astype(F32))
+
+
+SCANNED_LINE = next(i + 1 for i, t in enumerate(Path(__file__).read_text().splitlines())
+                    if t.rstrip().endswith("# <- scanned"))
+
+
+def test_inside_lax_scan_the_iteration_of_the_overflowing_layer_is_reported():
+    forward = ls.find_overflow(scanned_loss, stacked_kernels(2, BIG), jnp.ones((1, 4), F16))
+    assert (forward.phase, forward.primitive, forward.loops) == ("forward", "dot_general",
+                                                                 (("scan", 2),))
+    assert forward.layer == "layer" and forward.line == SCANNED_LINE
+    backward = ls.find_overflow(scanned_loss, stacked_kernels(1, AMP),
+                                jnp.full((1, 4), SMALL, F16), scale=2.0**15)
+    assert (backward.phase, backward.loops) == ("backward", (("scan", 1),))
+    assert backward.primitive == "dot_general" and backward.line == SCANNED_LINE
+
+
+class ScanBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 4, use_bias=False, dtype=F16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.lin(x)  # <- nnx scanned
+
+
+class ScanNet(nnx.Module):
+    def __init__(self, bad_layer, value):
+        make_block = nnx.vmap(ScanBlock, in_axes=0, out_axes=0)
+        self.blocks = make_block(nnx.Rngs(0).split(4))
+        self.blocks.lin.kernel[...] = stacked_kernels(bad_layer, value)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(h, block):
+            return block(h)
+
+        return forward(x, self.blocks)
+
+
+def test_inside_nnx_scan_the_layer_index_and_line_are_reported():
+    loss_fn = loss_of(lambda m, x: m(x))
+    line = next(i + 1 for i, t in enumerate(Path(__file__).read_text().splitlines())
+                if t.rstrip().endswith("# <- nnx scanned"))
+    report = ls.find_overflow(loss_fn, ScanNet(3, BIG), jnp.ones((1, 4), F16))
+    assert (report.phase, report.primitive, report.loops) == ("forward", "dot_general",
+                                                             (("scan", 3),))
+    # nnx.scan merges a fresh block in its body: it is scoped by its class name.
+    assert report.layer.endswith("ScanBlock/lin") and report.line == line, report
+    backward = ls.find_overflow(loss_fn, ScanNet(0, AMP), jnp.full((1, 4), SMALL, F16),
+                                scale=2.0**15)
+    assert (backward.phase, backward.loops, backward.line) == ("backward", (("scan", 0),),
+                                                               line)
+
+
+def test_inside_jax_checkpoint_jit_cond_while_and_custom_rules():
+    @jax.custom_vjp
+    def passthrough(h):
+        return h
+
+    passthrough.defvjp(lambda h: (h, None), lambda _, g: (g,))
+
+    @jax.custom_jvp
+    def double(h):
+        return 2 * h
+
+    double.defjvp(lambda p, t: (2 * p[0], 2 * t[0]))
+
+    @jax.jit
+    def block(w, h):
+        with jax.named_scope("ckpt"):
+            return h @ w.astype(F16)  # <- remat
+
+    def loss_fn(params, x):
+        x = x @ params["v"].astype(F16)  # differentiated: its cotangent goes through all
+        x = jax.lax.cond(jnp.sum(x) > 0, lambda a: a, lambda a: -a, x)
+        n = jax.lax.while_loop(lambda c: c < 3, lambda c: c + 1, 0)
+        h = jax.checkpoint(block)(params["w"], passthrough(double(x)) * n.astype(F16))
+        return jnp.sum(h.astype(F32))
+
+    line = next(i + 1 for i, t in enumerate(Path(__file__).read_text().splitlines())
+                if t.rstrip().endswith("# <- remat"))
+    w = jnp.full((4, 4), AMP / 6, F32)  # the input is 6x the batch: 8 as above
+    x = jnp.full((1, 4), SMALL, F16)
+    v = jnp.eye(4, dtype=F32)
+    assert not ls.find_overflow(loss_fn, {"v": v, "w": w}, x)
+    report = ls.find_overflow(loss_fn, {"v": v, "w": w}, x, scale=2.0**15)
+    assert (report.phase, report.primitive, report.layer, report.line) == (
+        "backward", "dot_general", "ckpt", line), report
+    forward = ls.find_overflow(loss_fn, {"v": v, "w": jnp.full((4, 4), BIG, F32)},
+                               jnp.ones((1, 4), F16))
+    assert (forward.phase, forward.layer, forward.line) == ("forward", "ckpt", line)
+
+
+def test_the_jax_internals_the_interpreter_relies_on():
+    """Pins primitive names and parameter keys: a JAX release that renames one fails here."""
+    def f(w):
+        h = jax.checkpoint(jnp.sin)(w)
+        h = jax.jit(jnp.cos)(h)
+        h = jax.lax.scan(lambda c, _: (c * 2, None), h, None, length=2)[0]
+        h = jax.lax.cond(h[0] > 0, jnp.exp, jnp.tanh, h)
+        return jnp.sum(h)
+
+    forward = jax.make_jaxpr(lambda w: jax.vjp(f, w))(jnp.ones(2))
+    _, vjp = jax.vjp(f, jnp.ones(2))
+    backward = jax.make_jaxpr(lambda v: v(jnp.ones(())))(vjp)
+    names = {e.primitive.name: e.params for j in (forward, backward) for e in j.jaxpr.eqns}
+    assert {"jit", "scan", "cond", "remat2"} <= names.keys() <= (
+        _interpret.CALLS | {"scan", "cond", "while"} | set(names) - {"checkpoint"})
+    assert {"jaxpr", "num_consts", "num_carry", "length", "reverse"} <= names["scan"].keys()
+    assert "branches" in names["cond"] and "jaxpr" in names["remat2"]
+    loop = jax.make_jaxpr(lambda n: jax.lax.while_loop(lambda c: c < n, lambda c: c + 1, 0))(3)
+    (eqn,) = loop.jaxpr.eqns
+    assert {"cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts"} <= eqn.params.keys()
+    assert [type(e).__name__ for e in eqn.source_info.name_stack.stack] == []
+
+
+# ------------------------------------------------------------------ 8 virtual devices
+
+SHARDED = textwrap.dedent('''
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import loss_scaling as ls
+    assert jax.device_count() == 8
+    mesh = jax.make_mesh((8,), ("data",))
+    x = jax.device_put(jnp.ones((8, 4), jnp.float16), NamedSharding(mesh, P("data")))
+    w = jax.device_put(jnp.full((4, 4), {value}, jnp.float32), NamedSharding(mesh, P()))
+
+    @jax.jit
+    def loss_fn(w, x):
+        with jax.named_scope("sharded_layer"):
+            h = x @ w.astype(jnp.float16)
+        return jnp.mean(h.astype(jnp.float32))
+
+    report = ls.find_overflow(loss_fn, w, x)
+    print(repr((report.found, report.phase, report.primitive, report.layer)))
+''')
+
+
+@pytest.mark.parametrize("value, expected", [
+    (3e4, (True, "forward", "dot_general", "sharded_layer")),
+    (1.0, (False, None, None, ""))], ids=["overflow", "healthy"])
+def test_a_function_sharded_over_8_virtual_devices(value, expected):
+    env = {**__import__("os").environ,
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, "-c", SHARDED.format(value=value)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().splitlines()[-1] == repr(expected)
+
+
+# ------------------------------------------------------------------ float16_report
+
+
+def two_layer_loss(params, x):
+    with jax.named_scope("l1"):
+        h = x @ params["w1"]
+    with jax.named_scope("l2"):
+        y = h @ params["w2"]
+    return jnp.sum(y)
+
+
+TWO_LAYER = {"w1": np.arange(12, dtype=np.float32).reshape(3, 4) - 5.0,
+             "w2": 1e-6 * np.array([[1.0], [-2.0], [3.0], [4.0]], np.float32)}
+TWO_LAYER_X = np.array([[1.0, 2.0, 3.0], [-1.0, 0.5, 2.0]], np.float32)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**15])
+def test_the_readiness_report_matches_a_hand_computation_on_two_layers(scale):
+    w1, w2, x = TWO_LAYER["w1"], TWO_LAYER["w2"], TWO_LAYER_X
+    h = x @ w1
+    y = h @ w2
+    ct = np.full((2, 1), scale, np.float32)
+    hand = {  # layer: (forward max, backward max, backward entries below 2**-14)
+        "l1": (np.abs(h).max(), np.abs(x.T @ (ct @ w2.T)).max(), x.T @ (ct @ w2.T)),
+        "l2": (np.abs(y).max(), max(np.abs(h.T @ ct).max(), np.abs(ct @ w2.T).max()), None)}
+    table = ls.float16_report(two_layer_loss, jax.tree.map(jnp.asarray, TWO_LAYER),
+                              jnp.asarray(x), scale=scale)
+    rows = {row.layer: row for row in table.rows}
+    assert {"l1", "l2"} <= rows.keys() and len(rows) == 3  # and the sum, by its line
+    for layer, (fwd, bwd, _) in hand.items():
+        np.testing.assert_allclose(rows[layer].forward_max, fwd, rtol=1e-5)
+        np.testing.assert_allclose(rows[layer].backward_max, bwd, rtol=1e-5)
+        np.testing.assert_allclose(rows[layer].headroom,
+                                   min(np.log2(65504 / fwd), np.log2(65504 / bwd)), rtol=1e-5)
+    # l1's weight gradient is ~1e-5 at scale 1, all below float16's smallest normal; at
+    # 2**15 it is lifted into range.
+    dw1 = np.abs(hand["l1"][2])  # a third of it is exactly 0: x's first column sums to 0
+    assert np.all(dw1 < 2.0**-14) == (scale == 1.0)
+    assert rows["l1"].underflow == np.mean((dw1 > 0) & (dw1 < 2.0**-14))
+    assert rows["l1"].underflow == (8 / 12 if scale == 1.0 else 0.0)
+    assert rows["l1"].zero == 4 / 12
+    # l2's input cotangent, 1e-6 * scale, is below it at scale 1 (its weight's is not)
+    assert (0 < rows["l2"].underflow < 1) == (scale == 1.0) and rows["l2"].zero == 0.0
+    assert [r.headroom for r in table.rows] == sorted(r.headroom for r in table.rows)
+    (loss_row,) = [r for layer, r in rows.items() if layer not in hand]
+    assert loss_row.layer.startswith("test_overflow.py:") and loss_row.backward_max == scale
+    bwd_rooms = [np.log2(65504 / r.backward_max) for r in table.rows]
+    assert table.max_scale == scale * 2.0 ** np.floor(min(bwd_rooms))
+    assert table.fits == (min(r.headroom for r in table.rows) >= 0)
+    text = str(table)
+    assert "l1" in text and "underflow" in text and "largest safe scale" in text
+
+
+def test_the_readiness_report_on_the_demo_model_sorts_its_layers_by_headroom():
+    from loss_scaling import demo
+
+    model = demo.MLP(dtype=F16)
+    x, y = map(jnp.asarray, demo.make_spirals(32, seed=0))
+    params = model.init(jax.random.key(0), x)["params"]
+    table = ls.float16_report(lambda p, x, y: demo._cross_entropy(model, p, x, y),
+                              params, x, y, scale=2.0**15)
+    layers = {r.layer for r in table.rows}
+    assert {f"MLP/Dense_{i}" for i in range(demo.DEPTH + 1)} <= layers
+    assert [r.headroom for r in table.rows] == sorted(r.headroom for r in table.rows)
+    assert table.fits and table.max_scale >= 2.0**15
+    # The vanishing gradient: the lowest layer's cotangents are the smallest.
+    rows = {r.layer: r for r in table.rows}
+    assert rows["MLP/Dense_0"].backward_max < rows[f"MLP/Dense_{demo.DEPTH}"].backward_max
+
+
+class Attention(nnx.Module):
+    """One head (nnx.MultiHeadAttention's float16 dot_general asks for float32 results,
+    which XLA's CPU backend refuses)."""
+
+    def __init__(self, dim, rngs):
+        make = lambda: nnx.Linear(dim, dim, use_bias=False, dtype=F16, rngs=rngs)  # noqa: E731
+        self.query, self.key, self.value, self.out = make(), make(), make(), make()
+
+    def __call__(self, h):
+        q, k, v = self.query(h), self.key(h), self.value(h)
+        scores = jnp.einsum("btd,bsd->bts", q, k) / jnp.sqrt(jnp.float16(q.shape[-1]))
+        return self.out(jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores), v))
+
+
+class TinyTransformer(nnx.Module):
+    def __init__(self, rngs, vocab=11, dim=8):
+        self.embed = nnx.Embed(vocab, dim, dtype=F16, rngs=rngs)
+        self.attn = Attention(dim, rngs)
+        self.norm = nnx.LayerNorm(dim, dtype=F16, rngs=rngs)
+        self.mlp = nnx.Linear(dim, dim, dtype=F16, rngs=rngs)
+        self.head = nnx.Linear(dim, vocab, dtype=F16, rngs=rngs)
+
+    def __call__(self, tokens):
+        h = self.embed(tokens)
+        h = h + self.attn(h)
+        h = h + jax.nn.gelu(self.mlp(self.norm(h)))
+        return self.head(h)
+
+
+def test_the_readiness_report_on_a_small_transformer():
+    model = TinyTransformer(nnx.Rngs(0))
+    tokens = jnp.arange(12).reshape(2, 6) % 11
+
+    def loss_fn(model, tokens):
+        logits = model(tokens).astype(F32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+    table = ls.float16_report(loss_fn, model, tokens, scale=2.0**15)
+    layers = {r.layer for r in table.rows}
+    assert {"embed", "attn/query", "attn/key", "attn/value", "attn/out", "norm", "mlp",
+            "head"} <= layers, layers
+    assert [r.headroom for r in table.rows] == sorted(r.headroom for r in table.rows)
+    assert table.fits
+    found = ls.find_overflow(loss_fn, model, tokens, scale=2.0**30)
+    assert found.phase == "backward"
+
+
+# ------------------------------------------------------ nothing of it in the train step
+
+STEP_TEXT = textwrap.dedent('''
+    import sys, jax, jax.numpy as jnp, optax
+    from flax import nnx
+    import loss_scaling as ls
+
+    def step_text():
+        model = nnx.Linear(4, 4, dtype=jnp.float16, rngs=nnx.Rngs(0))
+        tx = ls.with_loss_scaling(optax.adam(1e-3), ls.DynamicLossScale())
+        optimizer = ls.nnx.Optimizer(model, tx, wrt=nnx.Param)
+        loss_fn = lambda m, x: jnp.sum(m(x).astype(jnp.float32))
+
+        @nnx.jit
+        def train_step(optimizer, model, x):
+            loss, grads = ls.value_and_grad(loss_fn)(optimizer, model, x)
+            optimizer.update(model, grads)
+            return loss
+
+        x = jnp.ones((2, 4), jnp.float16)
+        text = train_step.lower(optimizer, model, x).as_text(debug_info=True)
+        return text, (loss_fn, optimizer, model, x)
+
+    texts = []
+    for use_the_feature in (False, True):  # one call site: the locations are the same
+        if use_the_feature:
+            assert "loss_scaling.debug" not in sys.modules
+            assert ls.find_overflow(*args).phase == "backward"  # 2 * 2**15 in float16
+            ls.float16_report(*args)
+        text, args = step_text()
+        texts.append(text)
+    assert "callback" not in texts[1]
+    print(texts[0] == texts[1])
+''')
+
+
+def test_the_train_steps_compiled_text_is_unchanged_by_the_feature():
+    proc = subprocess.run([sys.executable, "-c", STEP_TEXT], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_import_loss_scaling_does_not_import_the_debugging_tools():
+    code = ("import sys, loss_scaling as ls; assert 'loss_scaling.debug' not in sys.modules; "
+            "ls.find_overflow; assert 'loss_scaling.debug' in sys.modules; "
+            "assert 'equinox' not in sys.modules and 'flax.nnx' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_check_failure_messages_point_to_both_tools():
+    tx = ls.with_loss_scaling(optax.sgd(0.1), ls.DynamicLossScale(init_scale=2.0**-125))
+    params = {"w": jnp.ones(2)}
+    step = jax.jit(lambda p, s, g: ls.apply_gradients(tx, g, s, p))
+    state = tx.init(params)
+    for _ in range(2):
+        params, state = step(params, state, {"w": jnp.array([jnp.inf, 1.0])})
+    with pytest.raises(ls.LossScaleError) as error:
+        ls.check(state)
+    skips = ls.with_loss_scaling(optax.sgd(0.1), max_consecutive_skips=1)
+    skip_state = skips.init(params)
+    _, skip_state = jax.jit(lambda p, s, g: ls.apply_gradients(skips, g, s, p))(
+        params, skip_state, {"w": jnp.array([jnp.nan, 1.0])})
+    with pytest.raises(ls.LossScaleError) as too_many:
+        ls.check(skip_state)
+    for message in (str(error.value), str(too_many.value)):
+        assert "loss_scaling.find_overflow" in message
+        assert "loss_scaling.float16_report" in message
