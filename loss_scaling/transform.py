@@ -178,6 +178,17 @@ def _skip_cond(apply: jax.Array, step: Callable[[Any], Any], skip_step: Callable
     return lax.cond(apply, cast(step), cast(skip_step), operands)
 
 
+def _stepped_scaler(scaler: LossScale, finite: jax.Array) -> LossScale:
+    """The scaler's next state, a failure recorded but never raised (eager included).
+
+    The wrapper decides afterwards whether that step counts (``nonfinite_loss="skip"``
+    discards it on a non-finite loss) and raises an eager failure itself (:func:`_report`).
+    """
+    if isinstance(scaler, DynamicLossScale):
+        return scalers.step_recorded(scaler, finite)
+    return scaler
+
+
 def _count(counter: jax.Array, reset_when: jax.Array, reset: bool) -> jax.Array:
     stepped = optax.safe_increment(counter)
     return jnp.where(reset_when, jnp.zeros_like(counter) if reset else counter, stepped)
@@ -392,8 +403,13 @@ def _same_dtypes(new_state: Any, old_state: Any) -> Any:
     Only integer params change anything: optax's moments for an int32 param start as int32
     and come back float32 (optax lets the dtype drift, which retraces a jitted step).
     """
-    return jax.tree.map(lambda new, old: new if new.dtype == old.dtype else new.astype(old.dtype),
-                        new_state, old_state)
+    def same(new: Any, old: Any) -> Any:
+        # A Python scalar in the state (optax accepts any pytree, e.g. {"foo": 1}) has no
+        # dtype: it is held as the array the conditional makes of it.
+        dtype = jnp.result_type(old)
+        return new if jnp.result_type(new) == dtype else jnp.asarray(new).astype(dtype)
+
+    return jax.tree.map(same, new_state, old_state)
 
 
 def _warn_low_precision_state(params: Any, inner_state: Any) -> None:
@@ -552,10 +568,11 @@ def _next_state(core: _Core, state: LossScalingState, inner_state: Any,
     failed_before = state.failure != Failure.NONE
     if core.nonfinite_loss == "skip":
         # The forward pass, not the scale, made the loss non-finite: leave the scale be.
-        stepped_scaler = scalers.update(state.scaler, check.grads_finite)
+        # Eagerly too: a backoff discarded here must not raise (as under jit).
+        stepped_scaler = _stepped_scaler(state.scaler, check.grads_finite)
         stepped_scaler = optax.tree.where(check.loss_finite, stepped_scaler, state.scaler)
     else:
-        stepped_scaler = scalers.update(state.scaler, check.grads_finite & check.loss_finite)
+        stepped_scaler = _stepped_scaler(state.scaler, check.grads_finite & check.loss_finite)
     consecutive_skips = _count(state.consecutive_skips, applied, reset=True)
 
     # The first failure wins and is kept; the scaler is frozen from then on.

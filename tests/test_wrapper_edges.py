@@ -1,0 +1,100 @@
+"""Edges of the wrapper and its steps (issue 22): inner states, extra arguments, dtypes.
+
+Each test here is the regression test of one defect a user reached: a Python scalar in
+the inner state, an eager skip that raised, ``loss=`` forwarded to optimizers that refuse
+it, complex underflow fractions, dtypes without a zero, subnormal params, the wrapper
+inside ``MultiSteps``, bfloat16 params, the gradient norm and flax's fp8 layers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from bitwise import assert_bit_identical, bits
+
+import loss_scaling as ls
+
+NAN, INF = float("nan"), float("inf")
+
+DONATING_JIT = functools.partial(jax.jit, donate_argnums=(1, 2))
+EAGER_OR_JIT = pytest.mark.parametrize(
+    "maybe_jit", [lambda f: f, DONATING_JIT], ids=["eager", "jit_donate"])
+PATHS = pytest.mark.parametrize("path", ["plain", "fused", "train_state"])
+
+
+def make_step(tx, path):
+    """``step(grads, opt_state, params, **extra) -> (params, opt_state)`` by one path."""
+
+    def step(grads, opt_state, params, **extra):
+        if path == "plain":
+            updates, opt_state = tx.update(grads, opt_state, params, **extra)
+            return optax.apply_updates(params, updates), opt_state
+        if path == "fused":
+            return ls.apply_gradients(tx, grads, opt_state, params, **extra)
+        state = ls.TrainState(step=0, apply_fn=None, params=params, tx=tx, opt_state=opt_state)
+        state = state.apply_gradients(grads=grads, **extra)
+        return state.params, state.opt_state
+
+    return step
+
+
+# ------------------------------------------------------- 1. a Python scalar in the state
+
+
+def python_scalar_state_sgd():
+    """As optax's conditionality tests build it: an inner state holding a Python int."""
+    return optax.GradientTransformationExtraArgs(
+        lambda params: {"foo": 1},
+        lambda updates, state, params=None, **extra: (jax.tree.map(jnp.negative, updates),
+                                                       state))
+
+
+@EAGER_OR_JIT
+@PATHS
+@pytest.mark.parametrize("skip", ["cond", "select"])
+def test_an_inner_state_holding_a_python_scalar_is_accepted(maybe_jit, path, skip):
+    tx = ls.with_loss_scaling(python_scalar_state_sgd(), ls.StaticLossScale(4.0), skip=skip)
+    params = jnp.array([1.0, 2.0])
+    opt_state = tx.init(params)
+    step = maybe_jit(make_step(tx, path))
+    params, opt_state = step(jnp.array([4.0, 8.0]), opt_state, params)      # applied
+    np.testing.assert_array_equal(params, [0.0, 0.0])
+    before = bits(params)
+    params, opt_state = step(jnp.array([NAN, 8.0]), opt_state, params)      # skipped
+    assert_bit_identical(before, params)
+    assert int(opt_state.inner_state["foo"]) == 1
+    assert int(ls.metrics(opt_state)["skipped_steps"]) == 1
+
+
+# ------------------------------------------- 2. an eager skip on a NaN loss never raises
+
+
+@PATHS
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_skip_mode_on_a_nan_loss_at_the_floor_never_fails_eager_or_jit(maybe_jit, path):
+    """A backoff from 2**-126 would leave the float32 range; ``nonfinite_loss="skip"``
+    discards that backoff on a NaN loss, so the step neither fails nor moves the scale."""
+    tx = ls.with_loss_scaling(optax.sgd(1.0), ls.DynamicLossScale(init_scale=2.0**-126),
+                              nonfinite_loss="skip")
+    params = jnp.array([1.0, 2.0])
+    opt_state = tx.init(params)
+    step = maybe_jit(make_step(tx, path))
+    params, opt_state = step(jnp.array([NAN, NAN]), opt_state, params, loss=jnp.float32(NAN))
+    np.testing.assert_array_equal(params, [1.0, 2.0])
+    ls.check(opt_state)
+    assert float(ls.get_loss_scale(opt_state).loss_scale) == 2.0**-126
+    # A finite loss with overflowing gradients is an overflow: the backoff fails (eagerly:
+    # at once; under jit: recorded).
+    if maybe_jit is jax.jit:
+        _, opt_state = step(jnp.array([NAN, NAN]), opt_state, params, loss=jnp.float32(1.0))
+        with pytest.raises(ls.LossScaleError, match="backoff"):
+            ls.check(opt_state)
+    else:
+        with pytest.raises(ls.LossScaleError, match="backoff"):
+            step(jnp.array([NAN, NAN]), opt_state, params, loss=jnp.float32(1.0))
