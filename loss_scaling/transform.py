@@ -101,6 +101,8 @@ class UnderflowStats(NamedTuple):
         exactly zero (in the scaled gradients: what underflowed in the backward pass).
       small: float32 vector: the fraction of entries that are nonzero but, unscaled, below
         float16's smallest normal (6.1e-5): what float16 would lose without the scale.
+        A complex entry is zero when both its parts are, and small when it is nonzero
+        with an unscaled modulus below 6.1e-5; so ``zero + small`` never exceeds 1.
       size: int32 vector: the entries of each floating leaf (0 for integer leaves), which
         weigh the overall fractions.
     """
@@ -444,7 +446,11 @@ def _underflow_stats(grads: Any, inverse: tree.Reciprocal | None) -> UnderflowSt
                             else tree.unscale_leaf(g, inverse, cast_back=False))
         # Indicators by arithmetic (sign, max), not comparisons: XLA on CPU fuses these into
         # the reduction, where a boolean mask would be materialized per leaf.
-        nonzero = jnp.sign(jnp.abs(g.astype(magnitude.dtype)))
+        # A complex entry is zero iff both parts are (not only its real part); it is small
+        # when nonzero with an unscaled modulus below float16's smallest normal.
+        parts = ([jnp.real(g), jnp.imag(g)] if jnp.issubdtype(g.dtype, jnp.complexfloating)
+                 else [g])
+        nonzero = jnp.sign(sum(jnp.abs(p.astype(magnitude.dtype)) for p in parts))
         normal16 = jnp.sign(jnp.maximum(magnitude - _BELOW_F16_TINY, 0))  # |y| >= f16 tiny
         zero.append(jnp.mean(1 - nonzero, dtype=jnp.float32))
         small.append(jnp.mean(jnp.sign(magnitude) - normal16, dtype=jnp.float32))

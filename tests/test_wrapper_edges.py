@@ -98,3 +98,19 @@ def test_skip_mode_on_a_nan_loss_at_the_floor_never_fails_eager_or_jit(maybe_jit
     else:
         with pytest.raises(ls.LossScaleError, match="backoff"):
             step(jnp.array([NAN, NAN]), opt_state, params, loss=jnp.float32(1.0))
+
+
+# ------------------------------------------------- 7. complex leaves in the underflow stats
+
+
+def test_complex_underflow_fractions_count_an_entry_zero_only_when_both_parts_are():
+    """``0 + 1j`` is not zero; ``1e-6j`` is small (its modulus is below float16's tiny)."""
+    tx = ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(1.0), underflow_diagnostics=True)
+    params = {"z": jnp.zeros(4, jnp.complex64)}
+    opt_state = tx.init(params)
+    grads = {"z": jnp.array([0.0, 1j, 1e-6j, 1e-6 + 1.0j], jnp.complex64)}
+    _, opt_state = tx.update(grads, opt_state, params)
+    m = ls.metrics(opt_state)
+    zero, small = float(m["zero_grad_fraction"]), float(m["small_grad_fraction"])
+    assert (zero, small) == (0.25, 0.25)
+    assert 0.0 <= zero + small <= 1.0
