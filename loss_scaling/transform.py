@@ -127,6 +127,15 @@ LOW_PRECISION_STATE = (
 )
 
 
+NO_ZERO_PARAMS = (
+    "with_loss_scaling: the params leaf {leaf!r} is {dtype}, a dtype without a zero (an "
+    "exponent-only scale format): no update leaves it unchanged (a skipped step's -0.0 update "
+    "is NaN in {dtype}, and optax.apply_updates computes p + u in it), so a skipped step "
+    "cannot keep it. Keep such leaves out of the params given to the optimizer (e.g. in "
+    "another collection), or store them as float32."
+)
+
+
 def _resolve_skip(skip: SkipMode, fused: bool) -> Literal["cond", "select"]:
     if skip != "auto":
         return skip
@@ -141,10 +150,6 @@ def _resolve_skip(skip: SkipMode, fused: bool) -> Literal["cond", "select"]:
 def _fresh(scaler: LossScale) -> LossScale:
     # New buffers: donating an opt_state must never delete arrays the caller's scaler holds.
     return jax.tree.map(lambda x: jnp.array(x, copy=True), scaler)
-
-
-def _negative_zeros_like(shapes: Any) -> Any:
-    return jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes)
 
 
 def _varying_axes(x: Any) -> frozenset[Any]:
@@ -297,7 +302,8 @@ def with_loss_scaling(
     Raises:
       ValueError: for an unknown ``skip``, ``on_failure`` or ``nonfinite_loss``, or a
         ``max_consecutive_skips`` that is not a positive integer.
-      TypeError: if ``scaler`` is not a loss-scale state.
+      TypeError: if ``scaler`` is not a loss-scale state; from ``init``, if a params leaf
+        has a dtype without a zero (``float8_e8m0fnu``), which no skipped step can keep.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -340,6 +346,7 @@ def with_loss_scaling(
                  underflow_diagnostics=bool(underflow_diagnostics))
 
     def init_fn(params: optax.Params) -> LossScalingState:
+        _refuse_dtypes_without_zero(params)
         inner_state = inner.init(params)
         _warn_low_precision_state(params, inner_state)
         n_grads = gradient_leaf_count(params)
@@ -384,13 +391,13 @@ def with_loss_scaling(
 
             def skipped(_: Any) -> Any:
                 out_shapes = jax.eval_shape(step, operands)
-                return _negative_zeros_like(out_shapes[0]), state.inner_state
+                return optax.tree.full_like(out_shapes[0], -0.0), state.inner_state
 
             new_updates, new_inner = _skip_cond(check.apply, stepped, skipped, None)
         else:
             stepped_updates, stepped_inner = step(operands)
-            new_updates = jax.tree.map(
-                lambda u: jnp.where(check.apply, u, jnp.full_like(u, -0.0)), stepped_updates)
+            new_updates = optax.tree.where(check.apply, stepped_updates,
+                                           optax.tree.full_like(stepped_updates, -0.0))
             new_inner = optax.tree.where(check.apply, stepped_inner, state.inner_state)
         return new_updates, _next_state(core, state, new_inner, check)
 
@@ -412,6 +419,19 @@ def _same_dtypes(new_state: Any, old_state: Any) -> Any:
         return new if jnp.result_type(new) == dtype else jnp.asarray(new).astype(dtype)
 
     return jax.tree.map(same, new_state, old_state)
+
+
+def _has_zero(dtype: Any) -> bool:
+    """Whether ``dtype`` holds a zero (``float8_e8m0fnu``, a scale format, does not)."""
+    return bool(np.asarray(0.0, np.float32).astype(dtype).astype(np.float32) == 0)
+
+
+def _refuse_dtypes_without_zero(params: Any) -> None:
+    """Host side, at ``init``: float params in a dtype without a zero cannot be skipped."""
+    for name, leaf in zip(leaf_names(params), jax.tree.leaves(params), strict=True):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and not _has_zero(dtype):
+            raise TypeError(NO_ZERO_PARAMS.format(leaf=name, dtype=jnp.dtype(dtype).name))
 
 
 def _warn_low_precision_state(params: Any, inner_state: Any) -> None:

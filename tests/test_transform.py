@@ -147,7 +147,8 @@ def test_inject_hyperparams_schedule_does_not_advance_on_skips(maybe_jit, skip):
 def awkward_params(subnormals: bool):
     """Signed zeros, extremes and infinities in float16, bfloat16 and float32.
 
-    Subnormals only where asked: XLA on CPU flushes float32/bfloat16 subnormals to zero in
+    Subnormals only where asked: XLA on CPU flushes float32/bfloat16 (and float64)
+    subnormals to zero in
     *any* arithmetic (``p + -0.0`` included), so ``optax.apply_updates`` cannot keep them
     on any step; the fused path returns the params untouched.
     """

@@ -114,3 +114,53 @@ def test_complex_underflow_fractions_count_an_entry_zero_only_when_both_parts_ar
     zero, small = float(m["zero_grad_fraction"]), float(m["small_grad_fraction"])
     assert (zero, small) == (0.25, 0.25)
     assert 0.0 <= zero + small <= 1.0
+
+
+# --------------------------------------- 8 / 14. every float dtype through a skipped step
+
+# Every float dtype JAX has, and where a plain skipped step (optax.apply_updates: p + -0.0)
+# flushes subnormal params on XLA CPU: the dtypes computed natively (float16, float8 and
+# float4 compute in float32, where their subnormals are normal numbers). Measured; the
+# docs (optax_wrapper.md, "A skipped step") say the same.
+FLOAT_DTYPES = ["float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",
+                "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz", "float8_e3m4",
+                "float8_e4m3", "float4_e2m1fn"]
+CPU_FLUSHES_SUBNORMALS = {"float64", "float32", "bfloat16"}
+
+
+def edge_values(dtype):
+    fi = jnp.finfo(dtype)
+    return np.array([1.0, -1.5, 0.0, -0.0, float(fi.tiny), float(fi.max), -float(fi.max),
+                     float(fi.smallest_subnormal), -float(fi.smallest_subnormal)]).astype(dtype)
+
+
+@pytest.mark.parametrize("path", ["plain", "fused"])
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_a_skipped_step_keeps_every_float_dtype_bit_for_bit_but_where_xla_cpu_flushes(
+        maybe_jit, path):
+    with jax.enable_x64(True):
+        params = {name: jnp.asarray(edge_values(getattr(jnp, name)))
+                  for name in FLOAT_DTYPES if hasattr(jnp, name)}
+        tx = ls.with_loss_scaling(optax.sgd(0.1))
+        grads = jax.tree.map(lambda p: jnp.full(p.shape, NAN, p.dtype), params)
+        new_params, opt_state = maybe_jit(make_step(tx, path))(grads, tx.init(params), params)
+        assert not bool(opt_state.last_step_finite)
+        flushes = path == "plain" and jax.default_backend() == "cpu"
+        for name, before in params.items():
+            after, want = np.asarray(new_params[name]), np.asarray(before)
+            if flushes and name in CPU_FLUSHES_SUBNORMALS:  # to a zero of the same sign
+                want = want.copy()
+                want[-2:] = np.array([0.0, -0.0]).astype(want.dtype)
+            np.testing.assert_array_equal(after.view(np.uint8), want.view(np.uint8),
+                                          err_msg=name)
+
+
+@pytest.mark.parametrize("trace", ["eager", "eval_shape"])
+def test_params_in_a_dtype_without_zero_are_refused_at_init_naming_the_leaf(trace):
+    """float8_e8m0fnu has no zero: a skipped plain step's -0.0 update was NaN in it."""
+    tx = ls.with_loss_scaling(optax.sgd(0.1))
+    params = {"w": jnp.ones(2), "mx": {"scale": jnp.ones(2, jnp.float8_e8m0fnu)}}
+    init = tx.init if trace == "eager" else functools.partial(jax.eval_shape, tx.init)
+    with pytest.raises(TypeError, match=r"'mx\.scale' is float8_e8m0fnu, a dtype without a "
+                       r"zero.*float32"):
+        init(params)
