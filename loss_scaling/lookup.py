@@ -90,6 +90,30 @@ def _scaler_from_mapping(node: Any) -> LossScale:
         config, tuple(node[name] for name in scalers._DYNAMIC_LEAVES))
 
 
+WRAPPER_INSIDE_MULTISTEPS = (
+    "This optimizer state holds `ls.with_loss_scaling(...)` inside `optax.MultiSteps` "
+    "({where}): that order trains nothing after the first overflow "
+    "(MultiSteps resets its accumulator as (1 - emit) * acc, and 0 * inf is NaN, so every "
+    "later window is skipped too). Put the wrapper around the accumulation: "
+    "`ls.with_loss_scaling(optax.MultiSteps(inner, every_k_schedule=k))`, which unscales "
+    "and checks each micro batch on its own (see docs/optax_wrapper.md, "
+    "\"Gradient accumulation\")."
+)
+
+
+def refuse_wrapper_inside_multisteps(opt_state: Any) -> None:
+    """Raises ``ValueError`` if a wrapper state sits inside an ``optax.MultiStepsState``."""
+    found = optax.tree_utils.tree_get_all_with_path(
+        _unwrap_variables(opt_state), optax.MultiStepsState.__name__,
+        filtering=lambda _, value: isinstance(value, optax.MultiStepsState))
+    for path, state in found:
+        if _all_loss_scaling_states(state.inner_opt_state):
+            where = _path_str(path)
+            raise ValueError(WRAPPER_INSIDE_MULTISTEPS.format(
+                where=f"the MultiStepsState at path {where!r}" if where
+                else "the MultiStepsState is the whole state"))
+
+
 def _all_loss_scaling_states(opt_state: Any) -> list[tuple[str, LossScalingState]]:
     # optax matches a NamedTuple by its class name; the isinstance filter rules out
     # any other class that happens to share the name.
@@ -198,6 +222,7 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
        'nonfinite_grad_leaves': 0, 'failed': False, 'failure': 0, 'clean_growths': 0,
        'scale_suspicious': False}
     """
+    refuse_wrapper_inside_multisteps(opt_state)
     state = _get_wrapper_state(opt_state, path)
     scaler = state.scaler
     tracker = getattr(scaler, "growth_tracker", None)
@@ -352,6 +377,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
             raise _errors.LossScaleError(
                 scalers.failure_message(_first_failing(state, failure)))
         return
+    refuse_wrapper_inside_multisteps(state)
     wrapper = _get_wrapper_state(state, path)
     failure, growths = (_host(x) for x in (wrapper.failure, wrapper.clean_growths))
     if np.any(failure != _errors.Failure.NONE):

@@ -49,6 +49,10 @@ NonFiniteLoss = Literal["backoff", "skip"]
 SCALER_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 GRADIENT_EXTRA_ARGS = ("grad",)
 """Extra arguments of ``update`` that hold gradients of the scaled loss: unscaled and checked."""
+CONSUMED_EXTRA_ARGS = ("loss",)
+"""Extra arguments of ``update`` that are the wrapper's own (checked) and not forwarded:
+optax's line searches (``lbfgs``) and ``optax.contrib.sam`` refuse arguments they do not
+know. An inner optimizer that wants the loss takes it as ``value=``, optax's name."""
 
 
 class LossScalingState(NamedTuple):
@@ -265,9 +269,12 @@ def with_loss_scaling(
 
     Args:
       inner: the optimizer to wrap (any optax transformation; extra arguments given to
-        ``update`` are forwarded to it). ``grad=`` (as ``optax.lbfgs`` takes it) holds
-        gradients of the scaled loss too: it is unscaled and checked like them. Others
-        (``value=``, ``value_fn=``, ...) pass through untouched: give them unscaled.
+        ``update`` are forwarded to it, except ``loss=``, the wrapper's own: it is checked
+        and not forwarded, since optax's line searches, ``optax.lbfgs`` and
+        ``optax.contrib.sam`` refuse arguments they do not know; give an inner optimizer
+        the loss as ``value=``). ``grad=`` (as ``optax.lbfgs`` takes it) holds gradients
+        of the scaled loss too: it is unscaled and checked like them. Others (``value=``,
+        ``value_fn=``, ...) pass through untouched: give them unscaled.
       scaler: the initial loss-scale state; ``DynamicLossScale()`` by default.
       axis_name: inside ``pmap`` / ``shard_map``, the axis name (or names) over which the
         finite flags are AND-reduced so that every replica skips together.
@@ -379,7 +386,7 @@ def with_loss_scaling(
         def step(operands: Any) -> Any:
             grads, inner_state, params = operands
             updates, new_inner = inner.update(_unscale(grads, inverse), inner_state, params,
-                                              **_unscale_extra_args(extra_args, inverse))
+                                              **_inner_extra_args(extra_args, inverse))
             return updates, _same_dtypes(new_inner, inner_state)
 
         operands = (updates, state.inner_state, params)
@@ -490,10 +497,11 @@ def _unscale(grads: Any, inverse: tree.Reciprocal | None) -> Any:
     return grads if inverse is None else tree.unscale_tree(grads, inverse)
 
 
-def _unscale_extra_args(extra_args: dict[str, Any],
-                        inverse: tree.Reciprocal | None) -> dict[str, Any]:
+def _inner_extra_args(extra_args: dict[str, Any],
+                      inverse: tree.Reciprocal | None) -> dict[str, Any]:
+    """The extra arguments for the inner update: ``grad=`` unscaled, ``loss=`` consumed."""
     return {name: _unscale(value, inverse) if name in GRADIENT_EXTRA_ARGS else value
-            for name, value in extra_args.items()}
+            for name, value in extra_args.items() if name not in CONSUMED_EXTRA_ARGS}
 
 
 class _Check(NamedTuple):
@@ -708,8 +716,9 @@ def apply_gradients(
       grads: gradients of the scaled loss.
       opt_state: ``tx``'s state.
       params: the parameters.
-      **extra_args: forwarded to the inner update; ``loss=`` is also checked (see
-        ``nonfinite_loss`` in :func:`with_loss_scaling`), ``grad=`` unscaled and checked.
+      **extra_args: forwarded to the inner update, except ``loss=``, which is checked
+        (see ``nonfinite_loss`` in :func:`with_loss_scaling`) and not forwarded; ``grad=``
+        is unscaled and checked.
 
     Returns:
       ``(new_params, new_opt_state)``.
@@ -736,7 +745,7 @@ def apply_gradients(
         grads, inner_state, params = operands
         updates, new_inner = core.inner.update(
             _unscale(grads, inverse), inner_state, params,
-            **_unscale_extra_args(extra_args, inverse))
+            **_inner_extra_args(extra_args, inverse))
         return optax.apply_updates(params, updates), _same_dtypes(new_inner, inner_state)
 
     operands = (grads, opt_state.inner_state, params)

@@ -164,3 +164,30 @@ def test_params_in_a_dtype_without_zero_are_refused_at_init_naming_the_leaf(trac
     with pytest.raises(TypeError, match=r"'mx\.scale' is float8_e8m0fnu, a dtype without a "
                        r"zero.*float32"):
         init(params)
+
+
+# ---------------------------------------- 15. the wrapper inside MultiSteps is refused
+
+
+def test_the_wrapper_inside_multisteps_is_refused_wherever_the_state_is_seen():
+    from flax import nnx
+
+    tx = optax.MultiSteps(ls.with_loss_scaling(optax.sgd(1.0)), every_k_schedule=2)
+    gt = tx.gradient_transformation()
+    fix = r"ls\.with_loss_scaling\(optax\.MultiSteps\(inner, every_k_schedule=k\)\)"
+    params = jnp.ones(2)
+    opt_state = tx.init(params)
+    for where in (ls.metrics, jax.jit(ls.metrics), ls.check):
+        with pytest.raises(ValueError, match=r"inside `optax\.MultiSteps`.*" + fix):
+            where(opt_state)
+    nested = optax.chain(optax.identity(), gt).init(params)
+    with pytest.raises(ValueError, match=r"at path '\[1\]'.*" + fix):
+        ls.check(nested)
+    with pytest.raises(ValueError, match=fix):
+        ls.TrainState.create(apply_fn=None, params=params, tx=gt)
+    with pytest.raises(ValueError, match=fix):
+        ls.nnx.Optimizer(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), gt, wrt=nnx.Param)
+    # The recommended order passes everywhere.
+    good = ls.with_loss_scaling(optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2))
+    ls.check(ls.TrainState.create(apply_fn=None, params=params, tx=good))
+    assert int(ls.metrics(good.init(params))["skipped_steps"]) == 0
