@@ -191,3 +191,48 @@ def test_the_wrapper_inside_multisteps_is_refused_wherever_the_state_is_seen():
     good = ls.with_loss_scaling(optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2))
     ls.check(ls.TrainState.create(apply_fn=None, params=params, tx=good))
     assert int(ls.metrics(good.init(params))["skipped_steps"]) == 0
+
+
+# ------------------------------ 4. loss= is the wrapper's: line searches, lbfgs and sam
+
+
+def quadratic(params):
+    return jnp.sum((params - jnp.array([1.0, -2.0])) ** 2)
+
+
+LINE_SEARCH_INNERS = {
+    "lbfgs": lambda: optax.lbfgs(),
+    "backtracking": lambda: optax.chain(optax.sgd(1.0),
+                                        optax.scale_by_backtracking_linesearch(10)),
+    "sam": lambda: optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=2),
+}
+
+
+@pytest.mark.parametrize("inner", LINE_SEARCH_INNERS)
+@pytest.mark.parametrize("with_loss", [True, False], ids=["loss", "no_loss"])
+@PATHS
+def test_line_searches_lbfgs_and_sam_run_inside_the_wrapper(inner, with_loss, path):
+    tx = ls.with_loss_scaling(LINE_SEARCH_INNERS[inner](), ls.StaticLossScale(1024.0))
+    params = jnp.zeros(2)
+    opt_state = tx.init(params)
+    step = make_step(tx, path)
+
+    @functools.partial(jax.jit, static_argnames="nan_loss")
+    def train_step(params, opt_state, nan_loss=False):
+        loss, grads = ls.value_and_grad(quadratic)(opt_state, params)   # grads scaled
+        extra = {} if inner == "sam" else {"value": loss, "grad": grads,
+                                            "value_fn": quadratic}
+        if with_loss:
+            extra["loss"] = jnp.float32(NAN) if nan_loss else loss
+        return step(grads, opt_state, params, **extra)
+
+    start = float(quadratic(params))
+    for _ in range(4):
+        params, opt_state = train_step(params, opt_state)
+    assert float(quadratic(params)) < 0.5 * start
+    assert int(ls.metrics(opt_state)["skipped_steps"]) == 0
+    if with_loss:  # a NaN loss still skips the step: the wrapper reads it
+        before = bits(params)
+        params, opt_state = train_step(params, opt_state, nan_loss=True)
+        assert_bit_identical(before, params)
+        assert int(ls.metrics(opt_state)["nonfinite_loss_steps"]) == 1
