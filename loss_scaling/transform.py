@@ -131,6 +131,14 @@ LOW_PRECISION_STATE = (
 )
 
 
+BFLOAT16_PARAMS = (
+    "with_loss_scaling: the params {leaves} are bfloat16. bfloat16 keeps 8 significant bits, "
+    "so an update smaller than about 1/256 of a param rounds away (p + u == p): small "
+    "learning rates and late training stall, and loss scaling cannot help (it protects the "
+    "gradients, not the params). Keep float32 master params and compute in bfloat16 inside "
+    "the loss function (cast the params there)."
+)
+
 NO_ZERO_PARAMS = (
     "with_loss_scaling: the params leaf {leaf!r} is {dtype}, a dtype without a zero (an "
     "exponent-only scale format): no update leaves it unchanged (a skipped step's -0.0 update "
@@ -442,19 +450,27 @@ def _refuse_dtypes_without_zero(params: Any) -> None:
 
 
 def _warn_low_precision_state(params: Any, inner_state: Any) -> None:
-    """Host side, once at ``init``: narrow float params whose optimizer state is as narrow."""
+    """Host side, once at ``init``: narrow float params whose optimizer state is as narrow,
+    and bfloat16 params (a :class:`loss_scaling.LossScaleWarning` each)."""
     def narrow(x: Any) -> bool:
         dtype = getattr(x, "dtype", None)
         return (dtype is not None and jnp.issubdtype(dtype, jnp.floating)
                 and jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp)
 
-    names = [name for name, leaf in zip(leaf_names(params), jax.tree.leaves(params),
-                                        strict=True) if narrow(leaf)]
+    def shown(names: list[str]) -> str:
+        return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+    named = list(zip(leaf_names(params), jax.tree.leaves(params), strict=True))
+    names = [name for name, leaf in named if narrow(leaf)]
     if names and any(narrow(leaf) for leaf in jax.tree.leaves(inner_state)):
         dtype = next(leaf.dtype for leaf in jax.tree.leaves(params) if narrow(leaf))
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        warnings.warn(LOW_PRECISION_STATE.format(leaves=shown, dtype=jnp.dtype(dtype).name),
-                      UserWarning, stacklevel=3)
+        warnings.warn(LOW_PRECISION_STATE.format(leaves=shown(names),
+                                                 dtype=jnp.dtype(dtype).name),
+                      _errors.LossScaleWarning, stacklevel=3)
+    bf16 = [name for name, leaf in named if getattr(leaf, "dtype", None) == jnp.bfloat16]
+    if bf16:  # whatever the optimizer: the params themselves lose the updates
+        warnings.warn(BFLOAT16_PARAMS.format(leaves=shown(bf16)), _errors.LossScaleWarning,
+                      stacklevel=3)
 
 
 def _underflow_stats(grads: Any, inverse: tree.Reciprocal | None) -> UnderflowStats:

@@ -24,10 +24,12 @@ import loss_scaling as ls
 
 NAN, INF = float("nan"), float("inf")
 
-# Several tests here use float16 params under Adam on purpose (dtype handling of skips);
-# the init warning about that is tested in test_diagnostics.py.
-pytestmark = pytest.mark.filterwarnings(
-    r"ignore:with_loss_scaling. the params .* are float16:UserWarning")
+# Several tests here use float16 / bfloat16 params on purpose (dtype handling of skips);
+# the init warnings about them are tested in test_diagnostics.py.
+pytestmark = [
+    pytest.mark.filterwarnings(r"ignore:with_loss_scaling. the params .* are float16:UserWarning"),
+    pytest.mark.filterwarnings(r"ignore:with_loss_scaling. the params .* are bfloat16:UserWarning"),
+]
 
 # Every step function below has the signature step(grads, opt_state, params, **extra_args)
 # -> (params, opt_state), so one donation pattern fits all of them.

@@ -20,6 +20,11 @@ from bitwise import assert_bit_identical, bits
 
 import loss_scaling as ls
 
+# Gradient and params trees in every float dtype on purpose: bfloat16 params warn at init
+# (tested in test_diagnostics.py).
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:with_loss_scaling. the params .* are bfloat16:UserWarning")
+
 NAN, INF = float("nan"), float("inf")
 
 DONATING_JIT = functools.partial(jax.jit, donate_argnums=(1, 2))
