@@ -208,7 +208,9 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       (growths of the scale since the last overflow) and ``scale_suspicious``
       (``clean_growths >= SUSPICIOUS_GROWTHS``, 20: the scale grew a millionfold without one
       overflow, which points at a loss that was not scaled, or a model that needs no
-      scaling). With ``underflow_diagnostics=True``: ``zero_grad_fraction`` and
+      scaling); ``grad_norm`` (float32: the global norm of the last step's unscaled
+      gradients, inf or NaN on a step skipped for them, see
+      :class:`loss_scaling.LossScalingState`). With ``underflow_diagnostics=True``: ``zero_grad_fraction`` and
       ``small_grad_fraction`` (overall, weighted by leaf size) and their ``..._per_leaf``
       vectors (see :class:`loss_scaling.UnderflowStats`).
 
@@ -220,7 +222,7 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       {'loss_scale': 32768.0, 'growth_tracker': 0, 'skipped_steps': 0,
        'consecutive_skips': 0, 'last_step_finite': True, 'nonfinite_loss_steps': 0,
        'nonfinite_grad_leaves': 0, 'failed': False, 'failure': 0, 'clean_growths': 0,
-       'scale_suspicious': False}
+       'scale_suspicious': False, 'grad_norm': 0.0}
     """
     refuse_wrapper_inside_multisteps(opt_state)
     state = _get_wrapper_state(opt_state, path)
@@ -238,6 +240,7 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
         "failure": state.failure,
         "clean_growths": state.clean_growths,
         "scale_suspicious": state.clean_growths >= SUSPICIOUS_GROWTHS,
+        "grad_norm": state.grad_norm,
         **_underflow_metrics(state.underflow),
     }
 

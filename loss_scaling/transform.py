@@ -80,6 +80,13 @@ class LossScalingState(NamedTuple):
         (``metrics(...)["scale_suspicious"]``, and a warning from :func:`loss_scaling.check`).
       underflow: ``None``, or with ``underflow_diagnostics=True`` an
         :class:`UnderflowStats` of this step's gradients.
+      grad_norm: float32, the global L2 norm of the last step's *unscaled* gradients
+        (what PyTorch's ``clip_grad_norm_`` returns), from the same read of the gradients
+        as the finite test (the sum of their squares, in float32, times the scale's
+        reciprocal). On a step skipped for its gradients it is inf or NaN: the norm of
+        what arrived. It is inf, too, where the squares of the *scaled* gradients
+        overflow float32 (above ~1.8e19 in total norm); with ``axis_name``, it is this
+        replica's gradients' norm. 0 before the first step.
     """
 
     scaler: LossScale
@@ -93,6 +100,7 @@ class LossScalingState(NamedTuple):
     failure_skips: jax.Array
     clean_growths: jax.Array
     underflow: UnderflowStats | None
+    grad_norm: jax.Array
 
 
 class UnderflowStats(NamedTuple):
@@ -380,6 +388,7 @@ def with_loss_scaling(
                                      jnp.zeros((n_grads,), jnp.float32),
                                      jnp.zeros((n_grads,), jnp.int32))
             if underflow_diagnostics else None,
+            grad_norm=jnp.zeros((), jnp.float32),
         )
 
     def update_fn(
@@ -528,16 +537,18 @@ class _Check(NamedTuple):
     leaf_finite: jax.Array  # one flag per gradient leaf
     grads: Any  # the scaled gradients (their leaves' names, the underflow statistics)
     inverse: tree.Reciprocal | None  # the scale's reciprocal, computed once per step
+    grad_norm: jax.Array  # float32 global norm of the unscaled gradients
 
 
 def _finite_leaves(grads: Any, inverse: tree.Reciprocal | None,
-                   axis_name: AxisName) -> tuple[jax.Array, jax.Array]:
-    """Per gradient leaf, whether its unscaled values are all finite; and their AND.
+                   axis_name: AxisName) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per gradient leaf, whether its unscaled values are all finite; their AND; and the
+    sum of squares of the (scaled) gradients, in float32, for the norm.
 
-    On XLA CPU a plain sum is a vectorized read, while any reduction with an elementwise
-    producer (the unscale, ``abs``) runs about three times slower (benchmarks/
-    step_breakdown.py). So the CPU step first screens the leaves with plain sums: a finite
-    sum proves every entry finite, and with a scale of at least 1 (a reciprocal of at most
+    On XLA CPU a plain sum (of squares) is a vectorized read, while a reduction with the
+    unscale or ``abs`` as its producer runs about three times slower (benchmarks/
+    step_breakdown.py). So the CPU step first screens the leaves with sums of squares
+    (the same read gives the gradient norm): a finite sum proves every entry finite, and with a scale of at least 1 (a reciprocal of at most
     1) unscaling a finite entry cannot overflow, also not when cast back to a narrow dtype.
     Only a group the screen does not clear (an inf or NaN, which is then skipped anyway, a
     sum that overflowed, or everything at a scale below 1) runs the exact test, under a
@@ -550,11 +561,16 @@ def _finite_leaves(grads: Any, inverse: tree.Reciprocal | None,
     leaves = jax.tree.leaves(grads)
     groups = tree.leaf_groups(leaves)
     if jax.default_backend() != "cpu" or not groups:
-        return tree.unscaled_finite_leaves(grads, inverse, axis_name)
+        # Sibling reductions of the same leaves: XLA fuses them into one read on GPU.
+        squares = sum((tree.square_sum(x).astype(jnp.float32) for x in leaves),
+                      jnp.zeros((), jnp.float32))
+        return (*tree.unscaled_finite_leaves(grads, inverse, axis_name), squares)
     small_reciprocal = jnp.asarray(True)
     if inverse is not None:
         small_reciprocal = (inverse.normal <= 1) | (inverse.post < 1)
-    cleared = [tree.sum_screen(leaves, group) & small_reciprocal for group in groups]
+    sums = [tree.sum_screen(leaves, group) for group in groups]
+    squares = sum((x.astype(jnp.float32) for x in sums), jnp.zeros((), jnp.float32))
+    cleared = [jnp.isfinite(x) & small_reciprocal for x in sums]
     all_cleared = jnp.stack(cleared).all()
     if axis_name is not None:  # the branch must be the same on every replica
         all_cleared = lax.pmin(all_cleared.astype(jnp.int32), axis_name) == 1
@@ -581,8 +597,9 @@ def _finite_leaves(grads: Any, inverse: tree.Reciprocal | None,
         return stacked, stacked.all()
 
     n = len(leaves)
-    return _skip_cond(all_cleared, lambda _: (jnp.ones((n,), jnp.bool_), jnp.asarray(True)),
-                      exact, None)
+    return (*_skip_cond(all_cleared,
+                        lambda _: (jnp.ones((n,), jnp.bool_), jnp.asarray(True)), exact, None),
+            squares)
 
 
 def _check(core: _Core, grads: Any, state: LossScalingState, extra_args: dict) -> _Check:
@@ -594,7 +611,10 @@ def _check(core: _Core, grads: Any, state: LossScalingState, extra_args: dict) -
             "diagnostics from the params given to `init`): pass gradients with the structure "
             "of the params the state was initialised with.")
     inverse = _reciprocal(state.scaler)
-    leaf_finite, grads_finite = _finite_leaves(grads, inverse, core.axis_name)
+    leaf_finite, grads_finite, squares = _finite_leaves(grads, inverse, core.axis_name)
+    grad_norm = jnp.sqrt(squares)
+    if inverse is not None:  # unscaled: by the reciprocal's two exact factors
+        grad_norm = (grad_norm * inverse.normal) * inverse.post
     for name in GRADIENT_EXTRA_ARGS:
         if extra_args.get(name) is not None:
             grads_finite &= tree.unscaled_finite_leaves(extra_args[name], inverse,
@@ -609,7 +629,7 @@ def _check(core: _Core, grads: Any, state: LossScalingState, extra_args: dict) -
     if inverse is not None:
         healthy &= scalers.is_positive_normal(state.scaler.loss_scale)
     return _Check(healthy & grads_finite & loss_finite, healthy, grads_finite, loss_finite,
-                  leaf_finite, grads, inverse)
+                  leaf_finite, grads, inverse, grad_norm)
 
 
 def _next_state(core: _Core, state: LossScalingState, inner_state: Any,
@@ -662,6 +682,7 @@ def _next_state(core: _Core, state: LossScalingState, inner_state: Any,
         failure_skips=jnp.where(fails, consecutive_skips, state.failure_skips),
         clean_growths=clean_growths,
         underflow=underflow,
+        grad_norm=check.grad_norm,
     )
     _report(core, new_state, fails, leaf_names(check.grads))
     return new_state

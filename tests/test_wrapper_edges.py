@@ -241,3 +241,33 @@ def test_line_searches_lbfgs_and_sam_run_inside_the_wrapper(inner, with_loss, pa
         params, opt_state = train_step(params, opt_state, nan_loss=True)
         assert_bit_identical(before, params)
         assert int(ls.metrics(opt_state)["nonfinite_loss_steps"]) == 1
+
+
+# --------------------------------------------------- 17. the gradient norm in ls.metrics
+
+
+@PATHS
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+@pytest.mark.parametrize("scaler", [ls.DynamicLossScale(init_scale=2.0**10),
+                                    ls.StaticLossScale(3.0), ls.NoOpLossScale()],
+                         ids=["dynamic", "static", "noop"])
+def test_metrics_grad_norm_is_the_unscaled_global_norm_and_nonfinite_on_a_skip(
+        maybe_jit, path, scaler):
+    tx = ls.with_loss_scaling(optax.sgd(0.1), scaler)
+    true = {"a": jnp.array([3.0, 0.0], jnp.float16), "b": jnp.full((5000,), 0.01),
+            "c": jnp.array([4.0 + 0.0j, 0.0 + 1.0j], jnp.complex64)}
+    params = jax.tree.map(jnp.zeros_like, true)
+    opt_state = tx.init(params)
+    assert float(ls.metrics(opt_state)["grad_norm"]) == 0.0
+    step = maybe_jit(make_step(tx, path))
+    s = 1.0 if isinstance(scaler, ls.NoOpLossScale) else float(scaler.loss_scale)
+    scaled = jax.tree.map(lambda g: (g * s).astype(g.dtype), true)
+    params, opt_state = step(scaled, opt_state, params)
+    norm = ls.metrics(opt_state)["grad_norm"]
+    assert norm.dtype == jnp.float32 and norm.shape == ()
+    want = float(optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.complex64), true)))
+    np.testing.assert_allclose(float(norm), want, rtol=1e-5)  # float32 sums, any order
+    scaled["b"] = scaled["b"].at[7].set(INF)
+    params, opt_state = step(scaled, opt_state, params)
+    assert not bool(opt_state.last_step_finite)
+    assert not np.isfinite(float(ls.metrics(opt_state)["grad_norm"]))
