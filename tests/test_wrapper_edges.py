@@ -271,3 +271,44 @@ def test_metrics_grad_norm_is_the_unscaled_global_norm_and_nonfinite_on_a_skip(
     params, opt_state = step(scaled, opt_state, params)
     assert not bool(opt_state.last_step_finite)
     assert not np.isfinite(float(ls.metrics(opt_state)["grad_norm"]))
+
+
+# ------------------------------------ 18. flax's fp8 layers and _overwrite_with_gradient
+
+
+def test_ls_train_state_assigns_the_fp8_overwrite_collection_exactly_as_flax_does():
+    import doc_blocks
+    from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+    from flax.training import train_state
+
+    ns = doc_blocks.namespace(doc_blocks.named("linen.md", "fp8"))
+    state, x, y = ns["state"], ns["x"], ns["y"]
+    assert int(state.step) == 3 and int(ls.metrics(state)["skipped_steps"]) == 0
+    assert sorted(state.params) == [OVERWRITE_WITH_GRADIENT, "params"]
+    # The optimizer holds the params only; the amax histories have moved (were assigned).
+    assert jax.tree.structure(state.opt_state.inner_state[0].mu) == \
+        jax.tree.structure(state.params["params"])
+    history = state.params[OVERWRITE_WITH_GRADIENT]["Dense_0"]["Fp8DirectDotGeneralOp_0"]
+    assert float(jnp.max(history["input_amax_history"])) > 0
+
+    def loss_fn(variables, x):
+        pred = state.apply_fn(variables, x.astype(jnp.float16))
+        return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
+
+    flax_state = train_state.TrainState.create(apply_fn=state.apply_fn, params=state.params,
+                                               tx=state.tx)
+    flax_state = flax_state.replace(opt_state=state.opt_state)
+    grad_fn = jax.jit(ls.value_and_grad(loss_fn))
+    apply = jax.jit(lambda state, grads: state.apply_gradients(grads=grads))
+    for i, batch in enumerate((x, 2 * x, x)):
+        _, grads = grad_fn(state, state.params, batch)
+        if i == 2:  # an overflow: skipped, and the collection still assigned
+            grads["params"]["Dense_1"]["kernel"] *= jnp.inf
+        new = apply(state, grads)
+        reference = apply(flax_state, grads)   # flax's own TrainState, the plain path
+        chex.assert_trees_all_equal(new.params[OVERWRITE_WITH_GRADIENT],
+                                    reference.params[OVERWRITE_WITH_GRADIENT])
+        chex.assert_trees_all_close(new.params["params"], reference.params["params"],
+                                    rtol=1e-6)
+        state, flax_state = new, reference.replace(opt_state=new.opt_state)
+    assert int(ls.metrics(state)["skipped_steps"]) == 1
