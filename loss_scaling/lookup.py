@@ -210,9 +210,9 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       overflow, which points at a loss that was not scaled, or a model that needs no
       scaling); ``grad_norm`` (float32: the global norm of the last step's unscaled
       gradients, inf or NaN on a step skipped for them, see
-      :class:`loss_scaling.LossScalingState`). With ``underflow_diagnostics=True``: ``zero_grad_fraction`` and
-      ``small_grad_fraction`` (overall, weighted by leaf size) and their ``..._per_leaf``
-      vectors (see :class:`loss_scaling.UnderflowStats`).
+      :class:`loss_scaling.LossScalingState`). With ``underflow_diagnostics=True``:
+      ``zero_grad_fraction`` and ``small_grad_fraction`` (overall, weighted by leaf size)
+      and their ``..._per_leaf`` vectors (see :class:`loss_scaling.UnderflowStats`).
 
     Examples:
       >>> import jax.numpy as jnp, optax

@@ -548,8 +548,9 @@ def _finite_leaves(grads: Any, inverse: tree.Reciprocal | None,
     On XLA CPU a plain sum (of squares) is a vectorized read, while a reduction with the
     unscale or ``abs`` as its producer runs about three times slower (benchmarks/
     step_breakdown.py). So the CPU step first screens the leaves with sums of squares
-    (the same read gives the gradient norm): a finite sum proves every entry finite, and with a scale of at least 1 (a reciprocal of at most
-    1) unscaling a finite entry cannot overflow, also not when cast back to a narrow dtype.
+    (the same read gives the gradient norm): a finite sum proves every entry finite, and
+    with a scale of at least 1 (a reciprocal of at most 1) unscaling a finite entry cannot
+    overflow, also not when cast back to a narrow dtype.
     Only a group the screen does not clear (an inf or NaN, which is then skipped anyway, a
     sum that overflowed, or everything at a scale below 1) runs the exact test, under a
     conditional. Small leaves are screened and tested together
