@@ -90,6 +90,30 @@ def _scaler_from_mapping(node: Any) -> LossScale:
         config, tuple(node[name] for name in scalers._DYNAMIC_LEAVES))
 
 
+WRAPPER_INSIDE_MULTISTEPS = (
+    "This optimizer state holds `ls.with_loss_scaling(...)` inside `optax.MultiSteps` "
+    "({where}): that order trains nothing after the first overflow "
+    "(MultiSteps resets its accumulator as (1 - emit) * acc, and 0 * inf is NaN, so every "
+    "later window is skipped too). Put the wrapper around the accumulation: "
+    "`ls.with_loss_scaling(optax.MultiSteps(inner, every_k_schedule=k))`, which unscales "
+    "and checks each micro batch on its own (see docs/optax_wrapper.md, "
+    "\"Gradient accumulation\")."
+)
+
+
+def refuse_wrapper_inside_multisteps(opt_state: Any) -> None:
+    """Raises ``ValueError`` if a wrapper state sits inside an ``optax.MultiStepsState``."""
+    found = optax.tree_utils.tree_get_all_with_path(
+        _unwrap_variables(opt_state), optax.MultiStepsState.__name__,
+        filtering=lambda _, value: isinstance(value, optax.MultiStepsState))
+    for path, state in found:
+        if _all_loss_scaling_states(state.inner_opt_state):
+            where = _path_str(path)
+            raise ValueError(WRAPPER_INSIDE_MULTISTEPS.format(
+                where=f"the MultiStepsState at path {where!r}" if where
+                else "the MultiStepsState is the whole state"))
+
+
 def _all_loss_scaling_states(opt_state: Any) -> list[tuple[str, LossScalingState]]:
     # optax matches a NamedTuple by its class name; the isinstance filter rules out
     # any other class that happens to share the name.
@@ -184,9 +208,11 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       (growths of the scale since the last overflow) and ``scale_suspicious``
       (``clean_growths >= SUSPICIOUS_GROWTHS``, 20: the scale grew a millionfold without one
       overflow, which points at a loss that was not scaled, or a model that needs no
-      scaling). With ``underflow_diagnostics=True``: ``zero_grad_fraction`` and
-      ``small_grad_fraction`` (overall, weighted by leaf size) and their ``..._per_leaf``
-      vectors (see :class:`loss_scaling.UnderflowStats`).
+      scaling); ``grad_norm`` (float32: the global norm of the last step's unscaled
+      gradients, inf or NaN on a step skipped for them, see
+      :class:`loss_scaling.LossScalingState`). With ``underflow_diagnostics=True``:
+      ``zero_grad_fraction`` and ``small_grad_fraction`` (overall, weighted by leaf size)
+      and their ``..._per_leaf`` vectors (see :class:`loss_scaling.UnderflowStats`).
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -196,8 +222,9 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       {'loss_scale': 32768.0, 'growth_tracker': 0, 'skipped_steps': 0,
        'consecutive_skips': 0, 'last_step_finite': True, 'nonfinite_loss_steps': 0,
        'nonfinite_grad_leaves': 0, 'failed': False, 'failure': 0, 'clean_growths': 0,
-       'scale_suspicious': False}
+       'scale_suspicious': False, 'grad_norm': 0.0}
     """
+    refuse_wrapper_inside_multisteps(opt_state)
     state = _get_wrapper_state(opt_state, path)
     scaler = state.scaler
     tracker = getattr(scaler, "growth_tracker", None)
@@ -213,6 +240,7 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
         "failure": state.failure,
         "clean_growths": state.clean_growths,
         "scale_suspicious": state.clean_growths >= SUSPICIOUS_GROWTHS,
+        "grad_norm": state.grad_norm,
         **_underflow_metrics(state.underflow),
     }
 
@@ -378,6 +406,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
                     np.asarray(code, np.int32)))
             raise _errors.LossScaleError(scalers.failure_message(failed))
         return
+    refuse_wrapper_inside_multisteps(state)
     wrapper = _get_wrapper_state(state, path)
     scaler = wrapper.scaler
     failure, growths, scaler_failure, scale = _read_once((

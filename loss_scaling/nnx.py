@@ -29,7 +29,7 @@ import jax
 from flax import nnx
 
 from loss_scaling import tree
-from loss_scaling.lookup import CONFIG_METADATA
+from loss_scaling.lookup import CONFIG_METADATA, refuse_wrapper_inside_multisteps
 from loss_scaling.scalers import DynamicLossScale
 from loss_scaling.train_step import WRONG_FIRST_ARGUMENT, describe, scaler_of_state
 from loss_scaling.transform import LossScalingState, apply_gradients
@@ -184,6 +184,7 @@ class Optimizer(nnx.Optimizer):
 
     def __init__(self, model: Any, tx: Any, *, wrt: Any, graph: bool | None = None) -> None:
         super().__init__(model, tx, wrt=wrt, graph=graph)
+        refuse_wrapper_inside_multisteps(self.opt_state)
         for _, state in _wrapper_states(self.opt_state):
             scaler = state.scaler
             if isinstance(scaler, DynamicLossScale):

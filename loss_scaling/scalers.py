@@ -520,6 +520,14 @@ def _dynamic_step(
 _dynamic_step_jit = jax.jit(_dynamic_step)
 
 
+def step_recorded(state: DynamicLossScale, finite: jax.Array) -> DynamicLossScale:
+    """:func:`update`'s new state with a failure only recorded, never raised (eager too)."""
+    finite = jnp.asarray(finite)
+    if any(_is_traced(x) for x in jax.tree.leaves((state, finite))):
+        return _dynamic_step(state, finite)[0]
+    return _dynamic_step_jit(state, finite)[0]
+
+
 def is_positive_normal(scale: Any) -> jax.Array:
     """In-graph: whether ``scale`` is a finite, positive, normal float32 (NaN is not)."""
     scale = jnp.asarray(scale, jnp.float32)

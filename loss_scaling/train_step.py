@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
 from loss_scaling import tree
-from loss_scaling.lookup import get_loss_scale
+from loss_scaling.lookup import get_loss_scale, refuse_wrapper_inside_multisteps
 from loss_scaling.transform import SCALER_TYPES, apply_gradients
 
 __all__ = ["TrainState", "value_and_grad"]
@@ -155,8 +157,41 @@ class TrainState(train_state.TrainState):
 
     def apply_gradients(self, *, grads: Any, loss: Any = None, **kwargs: Any) -> TrainState:
         """Applies the scaled ``grads``, skipping the step if they (or ``loss``) are not
-        finite; other keyword arguments replace fields, as in flax."""
-        extra = {} if loss is None else {"loss": loss}
-        params, opt_state = apply_gradients(self.tx, grads, self.opt_state, self.params,
-                                            **extra)
-        return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)
+        finite. Keyword arguments that name fields of the state replace them, as in flax;
+        the others are the optimizer's extra arguments (``value=``, ``grad=``,
+        ``value_fn=`` for ``optax.lbfgs`` and the line searches), forwarded to ``tx``.
+
+        As flax's ``TrainState`` does, when the params hold flax's
+        ``_overwrite_with_gradient`` collection (the amax histories and scales of the
+        ``flax.linen.fp8_ops`` layers), the optimizer steps only ``params["params"]``:
+        that collection's "gradients" are its new values, assigned as they are (neither
+        unscaled nor checked), on skipped steps too.
+        """
+        fields = {f.name for f in dataclasses.fields(self)}
+        replace = {k: v for k, v in kwargs.items() if k in fields}
+        extra = {k: v for k, v in kwargs.items() if k not in fields}
+        if loss is not None:
+            extra["loss"] = loss
+        overwrite = _has_overwrite(grads)
+        grads_with_opt = grads["params"] if overwrite else grads
+        params_with_opt = self.params["params"] if overwrite else self.params
+        new_params, opt_state = apply_gradients(self.tx, grads_with_opt, self.opt_state,
+                                                params_with_opt, **extra)
+        if overwrite:
+            new_params = {"params": new_params,
+                          OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
+        return self.replace(step=self.step + 1, params=new_params, opt_state=opt_state,
+                            **replace)
+
+    @classmethod
+    def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> TrainState:
+        """As flax's ``create`` (``tx`` initialised on ``params["params"]`` when the params
+        hold the ``_overwrite_with_gradient`` collection); refuses the wrapper inside
+        ``optax.MultiSteps``."""
+        state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+        refuse_wrapper_inside_multisteps(state.opt_state)
+        return state
+
+
+def _has_overwrite(tree: Any) -> bool:
+    return isinstance(tree, Mapping) and OVERWRITE_WITH_GRADIENT in tree

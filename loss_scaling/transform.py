@@ -49,6 +49,10 @@ NonFiniteLoss = Literal["backoff", "skip"]
 SCALER_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 GRADIENT_EXTRA_ARGS = ("grad",)
 """Extra arguments of ``update`` that hold gradients of the scaled loss: unscaled and checked."""
+CONSUMED_EXTRA_ARGS = ("loss",)
+"""Extra arguments of ``update`` that are the wrapper's own (checked) and not forwarded:
+optax's line searches (``lbfgs``) and ``optax.contrib.sam`` refuse arguments they do not
+know. An inner optimizer that wants the loss takes it as ``value=``, optax's name."""
 
 
 class LossScalingState(NamedTuple):
@@ -76,6 +80,13 @@ class LossScalingState(NamedTuple):
         (``metrics(...)["scale_suspicious"]``, and a warning from :func:`loss_scaling.check`).
       underflow: ``None``, or with ``underflow_diagnostics=True`` an
         :class:`UnderflowStats` of this step's gradients.
+      grad_norm: float32, the global L2 norm of the last step's *unscaled* gradients
+        (what PyTorch's ``clip_grad_norm_`` returns), from the same read of the gradients
+        as the finite test (the sum of their squares, in float32, times the scale's
+        reciprocal). On a step skipped for its gradients it is inf or NaN: the norm of
+        what arrived. It is inf, too, where the squares of the *scaled* gradients
+        overflow float32 (above ~1.8e19 in total norm); with ``axis_name``, it is this
+        replica's gradients' norm. 0 before the first step.
     """
 
     scaler: LossScale
@@ -89,6 +100,7 @@ class LossScalingState(NamedTuple):
     failure_skips: jax.Array
     clean_growths: jax.Array
     underflow: UnderflowStats | None
+    grad_norm: jax.Array
 
 
 class UnderflowStats(NamedTuple):
@@ -101,6 +113,8 @@ class UnderflowStats(NamedTuple):
         exactly zero (in the scaled gradients: what underflowed in the backward pass).
       small: float32 vector: the fraction of entries that are nonzero but, unscaled, below
         float16's smallest normal (6.1e-5): what float16 would lose without the scale.
+        A complex entry is zero when both its parts are, and small when it is nonzero
+        with an unscaled modulus below 6.1e-5; so ``zero + small`` never exceeds 1.
       size: int32 vector: the entries of each floating leaf (0 for integer leaves), which
         weigh the overall fractions.
     """
@@ -125,6 +139,23 @@ LOW_PRECISION_STATE = (
 )
 
 
+BFLOAT16_PARAMS = (
+    "with_loss_scaling: the params {leaves} are bfloat16. bfloat16 keeps 8 significant bits, "
+    "so an update smaller than about 1/256 of a param rounds away (p + u == p): small "
+    "learning rates and late training stall, and loss scaling cannot help (it protects the "
+    "gradients, not the params). Keep float32 master params and compute in bfloat16 inside "
+    "the loss function (cast the params there)."
+)
+
+NO_ZERO_PARAMS = (
+    "with_loss_scaling: the params leaf {leaf!r} is {dtype}, a dtype without a zero (an "
+    "exponent-only scale format): no update leaves it unchanged (a skipped step's -0.0 update "
+    "is NaN in {dtype}, and optax.apply_updates computes p + u in it), so a skipped step "
+    "cannot keep it. Keep such leaves out of the params given to the optimizer (e.g. in "
+    "another collection), or store them as float32."
+)
+
+
 def _resolve_skip(skip: SkipMode, fused: bool) -> Literal["cond", "select"]:
     if skip != "auto":
         return skip
@@ -139,10 +170,6 @@ def _resolve_skip(skip: SkipMode, fused: bool) -> Literal["cond", "select"]:
 def _fresh(scaler: LossScale) -> LossScale:
     # New buffers: donating an opt_state must never delete arrays the caller's scaler holds.
     return jax.tree.map(lambda x: jnp.array(x, copy=True), scaler)
-
-
-def _negative_zeros_like(shapes: Any) -> Any:
-    return jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes)
 
 
 def _varying_axes(x: Any) -> frozenset[Any]:
@@ -176,6 +203,17 @@ def _skip_cond(apply: jax.Array, step: Callable[[Any], Any], skip_step: Callable
         return lambda operands: jax.tree.map(_vary, branch(operands), axes)
 
     return lax.cond(apply, cast(step), cast(skip_step), operands)
+
+
+def _stepped_scaler(scaler: LossScale, finite: jax.Array) -> LossScale:
+    """The scaler's next state, a failure recorded but never raised (eager included).
+
+    The wrapper decides afterwards whether that step counts (``nonfinite_loss="skip"``
+    discards it on a non-finite loss) and raises an eager failure itself (:func:`_report`).
+    """
+    if isinstance(scaler, DynamicLossScale):
+        return scalers.step_recorded(scaler, finite)
+    return scaler
 
 
 def _count(counter: jax.Array, reset_when: jax.Array, reset: bool) -> jax.Array:
@@ -247,9 +285,12 @@ def with_loss_scaling(
 
     Args:
       inner: the optimizer to wrap (any optax transformation; extra arguments given to
-        ``update`` are forwarded to it). ``grad=`` (as ``optax.lbfgs`` takes it) holds
-        gradients of the scaled loss too: it is unscaled and checked like them. Others
-        (``value=``, ``value_fn=``, ...) pass through untouched: give them unscaled.
+        ``update`` are forwarded to it, except ``loss=``, the wrapper's own: it is checked
+        and not forwarded, since optax's line searches, ``optax.lbfgs`` and
+        ``optax.contrib.sam`` refuse arguments they do not know; give an inner optimizer
+        the loss as ``value=``). ``grad=`` (as ``optax.lbfgs`` takes it) holds gradients
+        of the scaled loss too: it is unscaled and checked like them. Others (``value=``,
+        ``value_fn=``, ...) pass through untouched: give them unscaled.
       scaler: the initial loss-scale state; ``DynamicLossScale()`` by default.
       axis_name: inside ``pmap`` / ``shard_map``, the axis name (or names) over which the
         finite flags are AND-reduced so that every replica skips together.
@@ -284,7 +325,8 @@ def with_loss_scaling(
     Raises:
       ValueError: for an unknown ``skip``, ``on_failure`` or ``nonfinite_loss``, or a
         ``max_consecutive_skips`` that is not a positive integer.
-      TypeError: if ``scaler`` is not a loss-scale state.
+      TypeError: if ``scaler`` is not a loss-scale state; from ``init``, if a params leaf
+        has a dtype without a zero (``float8_e8m0fnu``), which no skipped step can keep.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -327,6 +369,7 @@ def with_loss_scaling(
                  underflow_diagnostics=bool(underflow_diagnostics))
 
     def init_fn(params: optax.Params) -> LossScalingState:
+        _refuse_dtypes_without_zero(params)
         inner_state = inner.init(params)
         _warn_low_precision_state(params, inner_state)
         n_grads = gradient_leaf_count(params)
@@ -345,6 +388,7 @@ def with_loss_scaling(
                                      jnp.zeros((n_grads,), jnp.float32),
                                      jnp.zeros((n_grads,), jnp.int32))
             if underflow_diagnostics else None,
+            grad_norm=jnp.zeros((), jnp.float32),
         )
 
     def update_fn(
@@ -359,7 +403,7 @@ def with_loss_scaling(
         def step(operands: Any) -> Any:
             grads, inner_state, params = operands
             updates, new_inner = inner.update(_unscale(grads, inverse), inner_state, params,
-                                              **_unscale_extra_args(extra_args, inverse))
+                                              **_inner_extra_args(extra_args, inverse))
             return updates, _same_dtypes(new_inner, inner_state)
 
         operands = (updates, state.inner_state, params)
@@ -371,13 +415,13 @@ def with_loss_scaling(
 
             def skipped(_: Any) -> Any:
                 out_shapes = jax.eval_shape(step, operands)
-                return _negative_zeros_like(out_shapes[0]), state.inner_state
+                return optax.tree.full_like(out_shapes[0], -0.0), state.inner_state
 
             new_updates, new_inner = _skip_cond(check.apply, stepped, skipped, None)
         else:
             stepped_updates, stepped_inner = step(operands)
-            new_updates = jax.tree.map(
-                lambda u: jnp.where(check.apply, u, jnp.full_like(u, -0.0)), stepped_updates)
+            new_updates = optax.tree.where(check.apply, stepped_updates,
+                                           optax.tree.full_like(stepped_updates, -0.0))
             new_inner = optax.tree.where(check.apply, stepped_inner, state.inner_state)
         return new_updates, _next_state(core, state, new_inner, check)
 
@@ -392,24 +436,50 @@ def _same_dtypes(new_state: Any, old_state: Any) -> Any:
     Only integer params change anything: optax's moments for an int32 param start as int32
     and come back float32 (optax lets the dtype drift, which retraces a jitted step).
     """
-    return jax.tree.map(lambda new, old: new if new.dtype == old.dtype else new.astype(old.dtype),
-                        new_state, old_state)
+    def same(new: Any, old: Any) -> Any:
+        # A Python scalar in the state (optax accepts any pytree, e.g. {"foo": 1}) has no
+        # dtype: it is held as the array the conditional makes of it.
+        dtype = jnp.result_type(old)
+        return new if jnp.result_type(new) == dtype else jnp.asarray(new).astype(dtype)
+
+    return jax.tree.map(same, new_state, old_state)
+
+
+def _has_zero(dtype: Any) -> bool:
+    """Whether ``dtype`` holds a zero (``float8_e8m0fnu``, a scale format, does not)."""
+    return bool(np.asarray(0.0, np.float32).astype(dtype).astype(np.float32) == 0)
+
+
+def _refuse_dtypes_without_zero(params: Any) -> None:
+    """Host side, at ``init``: float params in a dtype without a zero cannot be skipped."""
+    for name, leaf in zip(leaf_names(params), jax.tree.leaves(params), strict=True):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and not _has_zero(dtype):
+            raise TypeError(NO_ZERO_PARAMS.format(leaf=name, dtype=jnp.dtype(dtype).name))
 
 
 def _warn_low_precision_state(params: Any, inner_state: Any) -> None:
-    """Host side, once at ``init``: narrow float params whose optimizer state is as narrow."""
+    """Host side, once at ``init``: narrow float params whose optimizer state is as narrow,
+    and bfloat16 params (a :class:`loss_scaling.LossScaleWarning` each)."""
     def narrow(x: Any) -> bool:
         dtype = getattr(x, "dtype", None)
         return (dtype is not None and jnp.issubdtype(dtype, jnp.floating)
                 and jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp)
 
-    names = [name for name, leaf in zip(leaf_names(params), jax.tree.leaves(params),
-                                        strict=True) if narrow(leaf)]
+    def shown(names: list[str]) -> str:
+        return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+    named = list(zip(leaf_names(params), jax.tree.leaves(params), strict=True))
+    names = [name for name, leaf in named if narrow(leaf)]
     if names and any(narrow(leaf) for leaf in jax.tree.leaves(inner_state)):
         dtype = next(leaf.dtype for leaf in jax.tree.leaves(params) if narrow(leaf))
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        warnings.warn(LOW_PRECISION_STATE.format(leaves=shown, dtype=jnp.dtype(dtype).name),
-                      UserWarning, stacklevel=3)
+        warnings.warn(LOW_PRECISION_STATE.format(leaves=shown(names),
+                                                 dtype=jnp.dtype(dtype).name),
+                      _errors.LossScaleWarning, stacklevel=3)
+    bf16 = [name for name, leaf in named if getattr(leaf, "dtype", None) == jnp.bfloat16]
+    if bf16:  # whatever the optimizer: the params themselves lose the updates
+        warnings.warn(BFLOAT16_PARAMS.format(leaves=shown(bf16)), _errors.LossScaleWarning,
+                      stacklevel=3)
 
 
 def _underflow_stats(grads: Any, inverse: tree.Reciprocal | None) -> UnderflowStats:
@@ -428,7 +498,11 @@ def _underflow_stats(grads: Any, inverse: tree.Reciprocal | None) -> UnderflowSt
                             else tree.unscale_leaf(g, inverse, cast_back=False))
         # Indicators by arithmetic (sign, max), not comparisons: XLA on CPU fuses these into
         # the reduction, where a boolean mask would be materialized per leaf.
-        nonzero = jnp.sign(jnp.abs(g.astype(magnitude.dtype)))
+        # A complex entry is zero iff both parts are (not only its real part); it is small
+        # when nonzero with an unscaled modulus below float16's smallest normal.
+        parts = ([jnp.real(g), jnp.imag(g)] if jnp.issubdtype(g.dtype, jnp.complexfloating)
+                 else [g])
+        nonzero = jnp.sign(sum(jnp.abs(p.astype(magnitude.dtype)) for p in parts))
         normal16 = jnp.sign(jnp.maximum(magnitude - _BELOW_F16_TINY, 0))  # |y| >= f16 tiny
         zero.append(jnp.mean(1 - nonzero, dtype=jnp.float32))
         small.append(jnp.mean(jnp.sign(magnitude) - normal16, dtype=jnp.float32))
@@ -448,10 +522,11 @@ def _unscale(grads: Any, inverse: tree.Reciprocal | None) -> Any:
     return grads if inverse is None else tree.unscale_tree(grads, inverse)
 
 
-def _unscale_extra_args(extra_args: dict[str, Any],
-                        inverse: tree.Reciprocal | None) -> dict[str, Any]:
+def _inner_extra_args(extra_args: dict[str, Any],
+                      inverse: tree.Reciprocal | None) -> dict[str, Any]:
+    """The extra arguments for the inner update: ``grad=`` unscaled, ``loss=`` consumed."""
     return {name: _unscale(value, inverse) if name in GRADIENT_EXTRA_ARGS else value
-            for name, value in extra_args.items()}
+            for name, value in extra_args.items() if name not in CONSUMED_EXTRA_ARGS}
 
 
 class _Check(NamedTuple):
@@ -462,17 +537,20 @@ class _Check(NamedTuple):
     leaf_finite: jax.Array  # one flag per gradient leaf
     grads: Any  # the scaled gradients (their leaves' names, the underflow statistics)
     inverse: tree.Reciprocal | None  # the scale's reciprocal, computed once per step
+    grad_norm: jax.Array  # float32 global norm of the unscaled gradients
 
 
 def _finite_leaves(grads: Any, inverse: tree.Reciprocal | None,
-                   axis_name: AxisName) -> tuple[jax.Array, jax.Array]:
-    """Per gradient leaf, whether its unscaled values are all finite; and their AND.
+                   axis_name: AxisName) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per gradient leaf, whether its unscaled values are all finite; their AND; and the
+    sum of squares of the (scaled) gradients, in float32, for the norm.
 
-    On XLA CPU a plain sum is a vectorized read, while any reduction with an elementwise
-    producer (the unscale, ``abs``) runs about three times slower (benchmarks/
-    step_breakdown.py). So the CPU step first screens the leaves with plain sums: a finite
-    sum proves every entry finite, and with a scale of at least 1 (a reciprocal of at most
-    1) unscaling a finite entry cannot overflow, also not when cast back to a narrow dtype.
+    On XLA CPU a plain sum (of squares) is a vectorized read, while a reduction with the
+    unscale or ``abs`` as its producer runs about three times slower (benchmarks/
+    step_breakdown.py). So the CPU step first screens the leaves with sums of squares
+    (the same read gives the gradient norm): a finite sum proves every entry finite, and
+    with a scale of at least 1 (a reciprocal of at most 1) unscaling a finite entry cannot
+    overflow, also not when cast back to a narrow dtype.
     Only a group the screen does not clear (an inf or NaN, which is then skipped anyway, a
     sum that overflowed, or everything at a scale below 1) runs the exact test, under a
     conditional. Small leaves are screened and tested together
@@ -484,11 +562,16 @@ def _finite_leaves(grads: Any, inverse: tree.Reciprocal | None,
     leaves = jax.tree.leaves(grads)
     groups = tree.leaf_groups(leaves)
     if jax.default_backend() != "cpu" or not groups:
-        return tree.unscaled_finite_leaves(grads, inverse, axis_name)
+        # Sibling reductions of the same leaves: XLA fuses them into one read on GPU.
+        squares = sum((tree.square_sum(x).astype(jnp.float32) for x in leaves),
+                      jnp.zeros((), jnp.float32))
+        return (*tree.unscaled_finite_leaves(grads, inverse, axis_name), squares)
     small_reciprocal = jnp.asarray(True)
     if inverse is not None:
         small_reciprocal = (inverse.normal <= 1) | (inverse.post < 1)
-    cleared = [tree.sum_screen(leaves, group) & small_reciprocal for group in groups]
+    sums = [tree.sum_screen(leaves, group) for group in groups]
+    squares = sum((x.astype(jnp.float32) for x in sums), jnp.zeros((), jnp.float32))
+    cleared = [jnp.isfinite(x) & small_reciprocal for x in sums]
     all_cleared = jnp.stack(cleared).all()
     if axis_name is not None:  # the branch must be the same on every replica
         all_cleared = lax.pmin(all_cleared.astype(jnp.int32), axis_name) == 1
@@ -515,8 +598,9 @@ def _finite_leaves(grads: Any, inverse: tree.Reciprocal | None,
         return stacked, stacked.all()
 
     n = len(leaves)
-    return _skip_cond(all_cleared, lambda _: (jnp.ones((n,), jnp.bool_), jnp.asarray(True)),
-                      exact, None)
+    return (*_skip_cond(all_cleared,
+                        lambda _: (jnp.ones((n,), jnp.bool_), jnp.asarray(True)), exact, None),
+            squares)
 
 
 def _check(core: _Core, grads: Any, state: LossScalingState, extra_args: dict) -> _Check:
@@ -528,7 +612,10 @@ def _check(core: _Core, grads: Any, state: LossScalingState, extra_args: dict) -
             "diagnostics from the params given to `init`): pass gradients with the structure "
             "of the params the state was initialised with.")
     inverse = _reciprocal(state.scaler)
-    leaf_finite, grads_finite = _finite_leaves(grads, inverse, core.axis_name)
+    leaf_finite, grads_finite, squares = _finite_leaves(grads, inverse, core.axis_name)
+    grad_norm = jnp.sqrt(squares)
+    if inverse is not None:  # unscaled: by the reciprocal's two exact factors
+        grad_norm = (grad_norm * inverse.normal) * inverse.post
     for name in GRADIENT_EXTRA_ARGS:
         if extra_args.get(name) is not None:
             grads_finite &= tree.unscaled_finite_leaves(extra_args[name], inverse,
@@ -545,7 +632,7 @@ def _check(core: _Core, grads: Any, state: LossScalingState, extra_args: dict) -
     if inverse is not None:
         healthy &= scalers.is_positive_normal(state.scaler.loss_scale)
     return _Check(healthy & grads_finite & loss_finite, healthy, grads_finite, loss_finite,
-                  leaf_finite, grads, inverse)
+                  leaf_finite, grads, inverse, grad_norm)
 
 
 def _next_state(core: _Core, state: LossScalingState, inner_state: Any,
@@ -554,10 +641,11 @@ def _next_state(core: _Core, state: LossScalingState, inner_state: Any,
     failed_before = state.failure != Failure.NONE
     if core.nonfinite_loss == "skip":
         # The forward pass, not the scale, made the loss non-finite: leave the scale be.
-        stepped_scaler = scalers.update(state.scaler, check.grads_finite)
+        # Eagerly too: a backoff discarded here must not raise (as under jit).
+        stepped_scaler = _stepped_scaler(state.scaler, check.grads_finite)
         stepped_scaler = optax.tree.where(check.loss_finite, stepped_scaler, state.scaler)
     else:
-        stepped_scaler = scalers.update(state.scaler, check.grads_finite & check.loss_finite)
+        stepped_scaler = _stepped_scaler(state.scaler, check.grads_finite & check.loss_finite)
     consecutive_skips = _count(state.consecutive_skips, applied, reset=True)
 
     # The first failure wins and is kept; the scaler is frozen from then on.
@@ -597,6 +685,7 @@ def _next_state(core: _Core, state: LossScalingState, inner_state: Any,
         failure_skips=jnp.where(fails, consecutive_skips, state.failure_skips),
         clean_growths=clean_growths,
         underflow=underflow,
+        grad_norm=check.grad_norm,
     )
     _report(core, new_state, fails, leaf_names(check.grads))
     return new_state
@@ -667,8 +756,9 @@ def apply_gradients(
       grads: gradients of the scaled loss.
       opt_state: ``tx``'s state.
       params: the parameters.
-      **extra_args: forwarded to the inner update; ``loss=`` is also checked (see
-        ``nonfinite_loss`` in :func:`with_loss_scaling`), ``grad=`` unscaled and checked.
+      **extra_args: forwarded to the inner update, except ``loss=``, which is checked
+        (see ``nonfinite_loss`` in :func:`with_loss_scaling`) and not forwarded; ``grad=``
+        is unscaled and checked.
 
     Returns:
       ``(new_params, new_opt_state)``.
@@ -695,7 +785,7 @@ def apply_gradients(
         grads, inner_state, params = operands
         updates, new_inner = core.inner.update(
             _unscale(grads, inverse), inner_state, params,
-            **_unscale_extra_args(extra_args, inverse))
+            **_inner_extra_args(extra_args, inverse))
         return optax.apply_updates(params, updates), _same_dtypes(new_inner, inner_state)
 
     operands = (grads, opt_state.inner_state, params)

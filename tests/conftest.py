@@ -41,6 +41,7 @@ SLOW_TESTS = (
     "tests/test_integrations.py::test_ls_train_state_fused_matches_flax_train_state_plain_and_skips_exactly",
     "tests/test_docs.py::test_site_builds_with_warnings_as_errors",
     "tests/test_exactness.py::test_lbfgs_sees_the_unscaled_grad_extra_argument",
+    "tests/test_wrapper_edges.py::test_ls_train_state_assigns_the_fp8_overwrite_collection_exactly_as_flax_does",
     # Whole training runs of the framework integrations, step by step against references.
     "tests/test_nnx.py::test_training_matches_nnx_value_and_grad_without_the_wrapper",
     "tests/test_nnx.py::test_value_and_grad_threads_rng_and_batch_stats_exactly_like_nnx",

@@ -54,8 +54,8 @@ def test_float16_params_with_optimizer_state_in_their_dtype_warn_at_init(inner, 
     tx = ls.with_loss_scaling(inner)
     params = {"dense": {"w": jnp.ones((2, 2), jnp.float16)}, "b": jnp.zeros(2)}
     init = tx.init if trace == "eager" else functools.partial(jax.eval_shape, tx.init)
-    with pytest.warns(UserWarning, match=r"the params dense\.w are float16 .*Adam's eps=1e-8 "
-                      r"is 0 in float16.*Keep float32 master params"):
+    with pytest.warns(ls.LossScaleWarning, match=r"the params dense\.w are float16 "
+                      r".*Adam's eps=1e-8 is 0 in float16.*Keep float32 master params"):
         init(params)
 
 
@@ -64,7 +64,25 @@ def test_float32_params_and_stateless_optimizers_do_not_warn():
         warnings.simplefilter("error")
         ls.with_loss_scaling(optax.adam(1e-3)).init({"w": jnp.ones(2)})
         ls.with_loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2, jnp.float16)})
-        ls.with_loss_scaling(optax.adam(1e-3)).init({"w": jnp.ones(2, jnp.bfloat16)})
+
+
+@pytest.mark.parametrize("inner", [optax.adam(1e-3), optax.sgd(0.1)], ids=["adam", "sgd"])
+@pytest.mark.parametrize("trace", ["eager", "eval_shape"])
+def test_bfloat16_params_warn_at_init_whatever_the_optimizer(inner, trace):
+    """bfloat16 params lose every update below ~1/256 of the param (8 significant bits):
+    a stateless optimizer does not help, so the warning does not depend on its state."""
+    tx = ls.with_loss_scaling(inner, ls.loss_scale_for(jnp.bfloat16))
+    params = {"dense": {"w": jnp.ones((2, 2), jnp.bfloat16)}, "b": jnp.zeros(2)}
+    init = tx.init if trace == "eager" else functools.partial(jax.eval_shape, tx.init)
+    with pytest.warns(ls.LossScaleWarning, match=r"the params dense\.w are bfloat16\. .*"
+                      r"rounds away .*Keep float32 master params"):
+        init(params)
+
+
+def test_bfloat16_params_really_lose_small_updates_which_is_why_we_warn():
+    params = jnp.ones(4, jnp.bfloat16)
+    updates = jnp.full(4, -1e-3, jnp.bfloat16)     # a 1e-3 step of sgd
+    np.testing.assert_array_equal(optax.apply_updates(params, updates), params)
 
 
 def test_float16_params_really_break_adam_which_is_why_we_warn():

@@ -30,6 +30,11 @@ import loss_scaling as ls
 from loss_scaling import tree as ls_tree
 
 F32 = np.finfo(np.float32)
+# Gradient and params trees in every float dtype on purpose: bfloat16 params warn at init
+# (tested in test_diagnostics.py).
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:with_loss_scaling. the params .* are bfloat16:UserWarning")
+
 NAN, INF = float("nan"), float("inf")
 MAYBE_JIT = pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
 PATHS = pytest.mark.parametrize("path", ["plain", "fused"])

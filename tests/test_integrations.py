@@ -58,9 +58,9 @@ PARAMS = {"x": jnp.array([1.0, 2.0]), "y": jnp.array([3.0])}
 NESTINGS = {
     "plain": lambda: wrapped(),
     "chain": lambda: optax.chain(optax.scale(1.0), wrapped(), optax.scale(1.0)),
-    "multisteps": lambda: optax.MultiSteps(wrapped(), every_k_schedule=2),
-    "multisteps_gt": lambda: optax.MultiSteps(wrapped(), every_k_schedule=2)
-    .gradient_transformation(),
+    "multisteps_around": lambda: ls.with_loss_scaling(
+        optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2),
+        ls.DynamicLossScale(init_scale=64.0)),
     "inject_hyperparams_outer": lambda: optax.inject_hyperparams(
         lambda learning_rate: wrapped(inner=optax.sgd(learning_rate)))(learning_rate=0.5),
     "inject_hyperparams_inner": lambda: wrapped(
@@ -83,15 +83,15 @@ def test_get_loss_scale_and_metrics_find_the_scaler(maybe_jit, nesting):
     assert float(m["loss_scale"]) == 64.0 and int(m["skipped_steps"]) == 0
 
 
-@pytest.mark.parametrize("nesting", ["chain", "multisteps_gt", "masked", "multi_transform_one"])
+@pytest.mark.parametrize("nesting", ["chain", "multisteps_around", "masked",
+                                     "multi_transform_one"])
 def test_nested_wrapper_skips_and_backs_off(nesting):
     tx = NESTINGS[nesting]()
     params = PARAMS
     opt_state = tx.init(params)
     step = jax.jit(plain_step(tx))
     bad = {"x": jnp.array([NAN, 1.0]), "y": jnp.array([1.0])}
-    for _ in range(2 if nesting.startswith("multisteps") else 1):   # k=2 micro steps
-        params, opt_state = step(bad, opt_state, params)
+    params, opt_state = step(bad, opt_state, params)
     chex.assert_trees_all_equal(params["x"], PARAMS["x"])
     assert float(ls.get_loss_scale(opt_state).loss_scale) == 32.0
     assert int(ls.metrics(opt_state)["skipped_steps"]) == 1
@@ -381,45 +381,6 @@ def window_grads(bad_micro_step=None):
     return grads
 
 
-@pytest.mark.parametrize("bad_micro_step, maybe_jit", [
-    (0, DONATING_JIT), (1, lambda f: f), (2, DONATING_JIT)], ids=["0-jit_donate", "1-eager",
-                                                                   "2-jit_donate"])
-def test_multisteps_outside_scale_fixed_in_window_overflow_skips_whole_window(
-        maybe_jit, bad_micro_step):
-    # growth_interval=1: if the wrapper's state leaked out mid-window, the scale would grow
-    # on every micro step.
-    tx = accumulated(optax.adam(0.1))
-    params = jnp.array([1.0, -1.0])
-    opt_state = tx.init(params)
-    step = maybe_jit(plain_step(tx))
-    # The reference: the wrapper alone, one step per window on the averaged gradients.
-    ref_tx = ls.with_loss_scaling(optax.adam(0.1),
-                                  ls.DynamicLossScale(init_scale=2.0**10, growth_interval=1))
-    ref_params, ref_state = jnp.copy(params), ref_tx.init(params)
-    ref_step = jax.jit(plain_step(ref_tx))
-
-    for window in (window_grads(), window_grads(bad_micro_step)):
-        window_scale = float(ls.get_loss_scale(opt_state).loss_scale)
-        params_bits = bits(params)
-        for i, g in enumerate(window):
-            s = ls.get_loss_scale(opt_state).loss_scale
-            params, opt_state = step(g * s, opt_state, params)
-            if i < K - 1:
-                assert float(ls.get_loss_scale(opt_state).loss_scale) == window_scale
-                assert_bit_identical(params_bits, params)
-        mean = sum(window) / K
-        ref_params, ref_state = ref_step(mean * ref_state.scaler.loss_scale, ref_state,
-                                         ref_params)
-        chex.assert_trees_all_close(params, ref_params, rtol=1e-6)
-        assert ls.metrics(opt_state).keys() == ls.metrics(ref_state).keys()
-        for key, value in ls.metrics(opt_state).items():
-            assert value == ls.metrics(ref_state)[key], key
-    # First window: grew once (2048). Second: skipped as a whole, backed off once (1024).
-    assert float(ls.get_loss_scale(opt_state).loss_scale) == 2.0**10
-    assert int(ls.metrics(opt_state)["skipped_steps"]) == 1
-    assert int(opt_state.inner_opt_state.inner_state[0].count) == 1
-
-
 @pytest.mark.xfail(strict=True, reason=(
     "optax 0.2.8 MultiSteps resets its accumulator as (1 - emit) * acc: 0 * inf = NaN, so "
     "every window after an overflowing one is non-finite too. The docs recommend the "
@@ -433,7 +394,8 @@ def test_multisteps_outside_recovers_after_an_overflow_window():
         for g in window:
             params, opt_state = step(g * ls.get_loss_scale(opt_state).loss_scale, opt_state,
                                      params)
-    assert int(ls.metrics(opt_state)["skipped_steps"]) == 1   # only the overflowing window
+    # Read the field itself: ls.metrics refuses this order (it freezes training).
+    assert int(opt_state.inner_opt_state.skipped_steps) == 1   # only the overflowing window
 
 
 def test_docs_accumulation_recipe_is_the_tested_order():

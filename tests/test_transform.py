@@ -24,10 +24,12 @@ import loss_scaling as ls
 
 NAN, INF = float("nan"), float("inf")
 
-# Several tests here use float16 params under Adam on purpose (dtype handling of skips);
-# the init warning about that is tested in test_diagnostics.py.
-pytestmark = pytest.mark.filterwarnings(
-    r"ignore:with_loss_scaling. the params .* are float16:UserWarning")
+# Several tests here use float16 / bfloat16 params on purpose (dtype handling of skips);
+# the init warnings about them are tested in test_diagnostics.py.
+pytestmark = [
+    pytest.mark.filterwarnings(r"ignore:with_loss_scaling. the params .* are float16:UserWarning"),
+    pytest.mark.filterwarnings(r"ignore:with_loss_scaling. the params .* are bfloat16:UserWarning"),
+]
 
 # Every step function below has the signature step(grads, opt_state, params, **extra_args)
 # -> (params, opt_state), so one donation pattern fits all of them.
@@ -147,7 +149,8 @@ def test_inject_hyperparams_schedule_does_not_advance_on_skips(maybe_jit, skip):
 def awkward_params(subnormals: bool):
     """Signed zeros, extremes and infinities in float16, bfloat16 and float32.
 
-    Subnormals only where asked: XLA on CPU flushes float32/bfloat16 subnormals to zero in
+    Subnormals only where asked: XLA on CPU flushes float32/bfloat16 (and float64)
+    subnormals to zero in
     *any* arithmetic (``p + -0.0`` included), so ``optax.apply_updates`` cannot keep them
     on any step; the fused path returns the params untouched.
     """
@@ -587,7 +590,7 @@ def test_metrics_are_arrays_with_documented_keys(maybe_jit, scaler, tracker):
     m = maybe_jit(ls.metrics)(opt_state)
     assert set(m) == {"loss_scale", "growth_tracker", "skipped_steps", "consecutive_skips",
                       "last_step_finite", "nonfinite_loss_steps", "nonfinite_grad_leaves",
-                      "failed", "failure", "clean_growths", "scale_suspicious"}
+                      "failed", "failure", "clean_growths", "scale_suspicious", "grad_norm"}
     for value in m.values():
         assert isinstance(value, jax.Array) and value.shape == ()
     assert {k: v.dtype for k, v in m.items()} == {
@@ -595,7 +598,7 @@ def test_metrics_are_arrays_with_documented_keys(maybe_jit, scaler, tracker):
         "consecutive_skips": jnp.int32, "last_step_finite": jnp.bool_,
         "nonfinite_loss_steps": jnp.int32, "nonfinite_grad_leaves": jnp.int32,
         "failed": jnp.bool_, "failure": jnp.int32, "clean_growths": jnp.int32,
-        "scale_suspicious": jnp.bool_}
+        "scale_suspicious": jnp.bool_, "grad_norm": jnp.float32}
     assert not bool(m["failed"]) and int(m["failure"]) == 0
     # The one leaf was non-finite on the last skipped step; the flags outlive clean steps.
     assert int(m["nonfinite_grad_leaves"]) == 1 and int(m["nonfinite_loss_steps"]) == 0
