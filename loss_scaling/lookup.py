@@ -260,9 +260,7 @@ def nonfinite_grad_paths(opt_state: Any, params: Any, path: str | None = None) -
       ['dec.w']
     """
     flags = np.asarray(_get_wrapper_state(opt_state, path).nonfinite_grads)
-    if isinstance(params, optax.LookaheadParams):  # differentiated: the fast params only
-        params = params.fast
-    names = leaf_names(params)
+    names = gradient_leaf_names(params)
     if flags.shape[-1:] != (len(names),):
         raise ValueError(
             f"params has {len(names)} leaves but the optimizer state holds "
@@ -272,6 +270,21 @@ def nonfinite_grad_paths(opt_state: Any, params: Any, path: str | None = None) -
         return []
     flagged = np.atleast_1d(flags.reshape(-1, len(names)).any(axis=0)).tolist()  # any replica
     return [name for name, flag in zip(names, flagged, strict=True) if flag]
+
+
+def gradient_leaf_names(params: Any) -> list[str]:
+    """The names of the gradient leaves that ``params`` receives, one per non-finite flag.
+
+    The one naming of gradient leaves (:func:`nonfinite_grad_paths` and the messages of
+    :func:`check` use it): :func:`~loss_scaling.transform.leaf_names` (key paths written by
+    ``jax.tree_util.keystr(path, simple=True, separator=".")``) of the differentiated part
+    of ``params``. The gradients mirror the params, except around wrappers whose params
+    carry more than is differentiated: ``optax.lookahead`` takes
+    ``LookaheadParams(fast, slow)`` but gradients of ``fast`` only.
+    """
+    if isinstance(params, optax.LookaheadParams):
+        params = params.fast
+    return leaf_names(params)
 
 
 def _host(x: Any) -> np.ndarray:
@@ -355,7 +368,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
     wrapper = _get_wrapper_state(state, path)
     failure, growths = (_host(x) for x in (wrapper.failure, wrapper.clean_growths))
     if np.any(failure != _errors.Failure.NONE):
-        names = None if params is None else leaf_names(params)
+        names = None if params is None else gradient_leaf_names(params)
         failed = _first_failing(wrapper, failure)
         scaler = failed.scaler
         if isinstance(scaler, DynamicLossScale) and scaler.config is None:

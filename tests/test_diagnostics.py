@@ -257,3 +257,20 @@ def test_the_opt_in_raise_under_jit_is_what_the_docs_quote():
     text = str(info.value)
     assert "LossScaleError: loss scale backoff failed: the loss scale 1.1754943508222875e-38" \
         in text
+
+
+@pytest.mark.parametrize("path", ["plain", "fused"])
+def test_check_and_nonfinite_grad_paths_name_lookahead_leaves_alike(path):
+    # optax.lookahead takes LookaheadParams(fast, slow) but gradients of `fast` only: the
+    # names of both helpers come from one function, the failure message's too.
+    tx = ls.with_loss_scaling(optax.lookahead(optax.sgd(0.1), sync_period=2,
+                                              slow_step_size=0.5), max_consecutive_skips=2)
+    params = optax.LookaheadParams.init_synced({"enc": {"w": jnp.ones(2)}, "b": jnp.ones(3)})
+    opt_state = tx.init(params)
+    step = jax.jit(make_step(tx, path))
+    grads = {"enc": {"w": jnp.asarray([1.0, NAN])}, "b": jnp.ones(3)}
+    for _ in range(2):
+        _, opt_state = step(grads, opt_state, params)
+    assert ls.nonfinite_grad_paths(opt_state, params) == ["enc.w"]
+    with pytest.raises(ls.LossScaleError, match=r"non-finite on the last skipped step: enc\.w\."):
+        ls.check(opt_state, params=params)
