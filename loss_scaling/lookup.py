@@ -29,16 +29,21 @@ def _unwrap_variables(x: Any) -> Any:
 
     An ``nnx.State`` (``nnx.state(optimizer)``, the state from ``nnx.split(optimizer)``)
     holds the wrapper's state as a plain mapping of its fields: it is rebuilt into a
-    :class:`LossScalingState` (see :func:`_from_nnx_state`).
+    :class:`LossScalingState` (see :func:`_from_nnx_state`). Optimizers and States are
+    found anywhere in ``x``, e.g. in the dict ``{"model": nnx.state(model), "optimizer":
+    nnx.state(optimizer)}`` that an Orbax checkpoint saves.
     """
     try:
         from flax import nnx
     except ImportError:  # pragma: no cover - flax is a dependency
         return x
-    if isinstance(x, nnx.Optimizer):
-        x = x.opt_state
-    if isinstance(x, nnx.State):
-        x = _from_nnx_state(x)
+
+    def rebuild(node: Any) -> Any:
+        if isinstance(node, nnx.Optimizer):
+            node = node.opt_state
+        return _from_nnx_state(node) if isinstance(node, nnx.State) else node
+
+    x = jax.tree.map(rebuild, x, is_leaf=lambda v: isinstance(v, (nnx.Optimizer, nnx.State)))
     # get_value(): flax >= 0.12 deprecates `.value` (a DeprecationWarning on every call).
     return jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, x,
                         is_leaf=lambda v: isinstance(v, nnx.Variable))
@@ -122,7 +127,9 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
     ``inject_hyperparams``, ``masked`` / ``multi_transform``, a flax ``TrainState`` (or its
     ``opt_state``) and a ``flax.nnx.Optimizer`` (or its ``opt_state``, ``nnx.state`` of it,
     or the state from ``nnx.split`` of it: for those two, build it as
-    ``loss_scaling.nnx.Optimizer``, which keeps the configuration in the state).
+    ``loss_scaling.nnx.Optimizer``, which keeps the configuration in the state), also
+    inside dicts, lists and nested ``nnx.State`` (the ``{"model": nnx.state(model),
+    "optimizer": nnx.state(optimizer)}`` an Orbax checkpoint saves).
 
     Args:
       opt_state: an optimizer state, TrainState or nnx Optimizer.

@@ -458,12 +458,24 @@ def holders(optimizer):
             "split": nnx.split(optimizer)[1]}
 
 
-@pytest.mark.parametrize("holder", ["optimizer", "state", "split"])
+def lookup_holders(optimizer, model):
+    """holders(), and the dicts an Orbax checkpoint of model and optimizer saves."""
+    return {**holders(optimizer),
+            "checkpoint": {"model": nnx.state(model), "optimizer": nnx.state(optimizer)},
+            "split_pair": {"model": nnx.split(model)[1],
+                           "optimizer": nnx.split(optimizer)[1]},
+            "nested": {"run": [nnx.state(model), {"opt": nnx.state(optimizer)}]}}
+
+
+LOOKUP_HOLDERS = ["optimizer", "state", "split", "checkpoint", "split_pair", "nested"]
+
+
+@pytest.mark.parametrize("holder", LOOKUP_HOLDERS)
 def test_get_loss_scale_and_metrics_accept_the_optimizer_its_state_and_split(holder):
     model = make_model()
     optimizer = make_optimizer(model, fused=True)
     wrapper_run(True, steps=4, model=model, optimizer=optimizer)   # step 3 is poisoned
-    source = holders(optimizer)[holder]
+    source = lookup_holders(optimizer, model)[holder]
     s = ls.get_loss_scale(source)
     assert isinstance(s, ls.DynamicLossScale) and s.growth_interval == GROWTH_INTERVAL
     expected = ls.get_loss_scale(optimizer)
@@ -541,7 +553,7 @@ def test_check_reads_a_failure_from_the_optimizer_its_state_and_split(fused):
     model = make_model()
     tx = ls.with_loss_scaling(optax.adam(LR), ls.DynamicLossScale(init_scale=2.0**-126))
     optimizer = make_optimizer(model, fused, tx=tx)
-    for source in holders(optimizer).values():
+    for source in lookup_holders(optimizer, model).values():
         assert ls.check(source) is None
     step = nnx.jit(lambda optimizer, model, x, y, poison: optimizer.update(
         model, ls.value_and_grad(loss_fn)(optimizer, model, x, y, poison)[1]))
@@ -550,7 +562,7 @@ def test_check_reads_a_failure_from_the_optimizer_its_state_and_split(fused):
     step(optimizer, model, x, y, jnp.ones((), F32))   # overflow: the backoff underflows
     step(optimizer, model, x, y, jnp.zeros((), F32))  # sticky: this clean step is skipped
     assert_bit_identical(params, nnx.state(model, nnx.Param))
-    for source in holders(optimizer).values():
+    for source in lookup_holders(optimizer, model).values():
         assert bool(ls.metrics(source)["failed"])
         with pytest.raises(ls.LossScaleError, match="(?i)backoff"):
             ls.check(source)
