@@ -24,7 +24,7 @@ import jax
 import optax
 
 from loss_scaling import tree
-from loss_scaling.train_step import scaler_of_state
+from loss_scaling.train_step import scaler_of_state, split_loss_and_aux
 from loss_scaling.transform import apply_gradients as _apply_gradients
 
 __all__ = ["apply_gradients", "filter_value_and_grad"]
@@ -87,8 +87,7 @@ def filter_value_and_grad(
             full = list(args)
             for i in nums:
                 full[i] = eqx.combine(diff[i], parts[i][1])
-            out = fun(*full, **kwargs)
-            loss, aux = out if has_aux else (out, None)
+            loss, aux = split_loss_and_aux(fun, fun(*full, **kwargs), has_aux)
             return tree.scale(scaler, loss), (loss, aux)
 
         diff = {i: parts[i][0] for i in nums}

@@ -30,6 +30,50 @@ def describe(x: Any) -> str:
     return f"an object of type {type(x).__module__}.{type(x).__qualname__}"
 
 
+AUX_NOT_A_PAIR = (
+    "`value_and_grad({name}, has_aux=True)`: with has_aux=True the function must return "
+    "a pair `(loss, aux)`, but {name} returned {what}. Return `loss, aux`, or pass "
+    "has_aux=False if it returns the loss only."
+)
+PAIR_WITHOUT_AUX = (
+    "`value_and_grad({name}, has_aux=False)`: with has_aux=False the function must return "
+    "the scalar loss only, but {name} returned {what}. If it returns `(loss, aux)`, pass "
+    "has_aux=True."
+)
+
+
+def _describe_output(out: Any) -> str:
+    """What a loss function returned, without its (possibly traced) values."""
+    if isinstance(out, (tuple, list)):
+        parts = ", ".join(_describe_output(x) for x in out[:4])
+        more = ", ..." if len(out) > 4 else ""
+        return f"a {type(out).__name__} of {len(out)} elements ({parts}{more})"
+    if hasattr(out, "shape") and hasattr(out, "dtype"):
+        return f"an array of shape {tuple(out.shape)} and dtype {out.dtype}"
+    if isinstance(out, dict):
+        return f"a dict with keys {sorted(map(str, out))[:6]}"
+    return describe(out)
+
+
+def split_loss_and_aux(fun: Callable[..., Any], out: Any, has_aux: bool) -> tuple[Any, Any]:
+    """``(loss, aux)`` from ``fun``'s output, or an error naming ``has_aux`` and the output.
+
+    Checked before the loss is scaled, so that no message shows scaled values (the
+    output of a function with ``has_aux=False`` that returns ``(loss, aux)`` would
+    otherwise be scaled as a whole, aux included).
+    """
+    name = getattr(fun, "__name__", None) or "loss_fn"
+    if name == "<lambda>":
+        name = "loss_fn"
+    if has_aux:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(AUX_NOT_A_PAIR.format(name=name, what=_describe_output(out)))
+        return out[0], out[1]
+    if isinstance(out, (tuple, list, dict)):
+        raise TypeError(PAIR_WITHOUT_AUX.format(name=name, what=_describe_output(out)))
+    return out, None
+
+
 def scaler_of_state(state: Any) -> Any:
     """The loss scale that ``state`` holds, or an error saying what the first argument is."""
     if isinstance(state, SCALER_TYPES):
@@ -98,6 +142,8 @@ def value_and_grad(
     Raises:
       TypeError / ValueError: at call time, when the first argument is not (and does not
         hold) a loss scale: e.g. the model passed first, or the optimizer forgotten.
+      TypeError: when ``fun``'s output does not match ``has_aux`` (a bare loss with
+        ``has_aux=True``, a tuple or list with ``has_aux=False``), naming both.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -121,8 +167,7 @@ def value_and_grad(
         scaler = scaler_of_state(state)
 
         def scaled(*args: Any, **kwargs: Any) -> Any:
-            out = fun(*args, **kwargs)
-            loss, aux = out if has_aux else (out, None)
+            loss, aux = split_loss_and_aux(fun, fun(*args, **kwargs), has_aux)
             return tree.scale(scaler, loss), (loss, aux)
 
         (_, (loss, aux)), grads = jax.value_and_grad(scaled, argnums, has_aux=True)(

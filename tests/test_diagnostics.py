@@ -274,3 +274,32 @@ def test_check_and_nonfinite_grad_paths_name_lookahead_leaves_alike(path):
     assert ls.nonfinite_grad_paths(opt_state, params) == ["enc.w"]
     with pytest.raises(ls.LossScaleError, match=r"non-finite on the last skipped step: enc\.w\."):
         ls.check(opt_state, params=params)
+
+
+AUX_MISUSES = pytest.mark.parametrize("has_aux, returns, match", [
+    (True, lambda loss, w: loss, r"has_aux=True.*pair `\(loss, aux\)`.*returned an array "
+                                 r"of shape \(\) and dtype float32"),
+    (True, lambda loss, w: (loss, w, w), r"has_aux=True.*returned a tuple of 3 elements"),
+    (False, lambda loss, w: (loss, {"w": w}), r"has_aux=False.*scalar loss only.*returned "
+                                              r"a tuple of 2 elements.*pass has_aux=True"),
+    (False, lambda loss, w: [loss, w], r"has_aux=False.*returned a list of 2 elements"),
+], ids=["true-bare-loss", "true-triple", "false-pair", "false-list"])
+
+
+@AUX_MISUSES
+@MAYBE_JIT
+def test_value_and_grad_has_aux_misuse_names_has_aux_and_the_output(has_aux, returns, match,
+                                                                    maybe_jit):
+    # Clearer than jax.value_and_grad's messages, and never showing the aux scaled.
+    def loss_fn(w):
+        return returns(jnp.sum(w ** 2), w * 3.0)
+
+    grad_fn = maybe_jit(ls.value_and_grad(loss_fn, has_aux=has_aux))
+    with pytest.raises(TypeError, match=match) as info:
+        grad_fn(ls.StaticLossScale(8.0), jnp.ones(2))
+    assert "value_and_grad(loss_fn" in str(info.value) and "24" not in str(info.value)
+    # What JAX accepts still works: a list pair, and any aux (a string, an object).
+    for out in ([jnp.float32(1.0), jnp.ones(2)], (jnp.float32(1.0), "note")):
+        (loss, aux), _ = ls.value_and_grad(lambda w, out=out: out, has_aux=True)(
+            ls.StaticLossScale(8.0), jnp.ones(2))
+        assert float(loss) == 1.0 and aux is out[1]

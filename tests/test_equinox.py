@@ -372,3 +372,24 @@ def test_a_state_initialised_on_is_array_of_a_model_with_int_leaves_is_refused_c
     with pytest.raises(ValueError, match=r"eqx.is_inexact_array.*") as info:
         ls.equinox.apply_gradients(tx, grads, opt_state, model)
     assert "keep" in str(info.value) and "causal" in str(info.value)
+
+
+@pytest.mark.parametrize("has_aux, match", [
+    (True, r"has_aux=True.*pair `\(loss, aux\)`.*loss_fn returned an array of shape \(\)"),
+    (False, r"has_aux=False.*scalar loss only.*returned a tuple of 2 elements.*"
+            r"pass has_aux=True"),
+])
+@MAYBE_JIT
+def test_value_and_grad_has_aux_misuse_names_has_aux_and_the_output(has_aux, match, maybe_jit):
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    opt_state = ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(8.0)).init(
+        eqx.filter(model, eqx.is_inexact_array))
+
+    def loss_fn(model):
+        loss = jnp.sum(model(jnp.ones(2)) ** 2)
+        return loss if has_aux else (loss, jnp.float32(3.0))   # the other one than declared
+
+    grad_fn = maybe_jit(ls.value_and_grad(loss_fn, has_aux=has_aux))
+    with pytest.raises(TypeError, match=match) as info:
+        grad_fn(opt_state, model)
+    assert "24" not in str(info.value)                         # the aux, scaled, not shown

@@ -592,3 +592,24 @@ def test_metrics_through_nnx_state_equal_the_optimizers(underflow_diagnostics):
         got = ls.metrics(source)
         assert got.keys() == expected.keys()
         assert_bit_identical(bits(expected), got)
+
+
+@pytest.mark.parametrize("has_aux, match", [
+    (True, r"has_aux=True.*pair `\(loss, aux\)`.*loss_fn returned an array of shape \(\)"),
+    (False, r"has_aux=False.*scalar loss only.*returned a tuple of 2 elements.*"
+            r"pass has_aux=True"),
+])
+@MAYBE_JIT
+def test_value_and_grad_has_aux_misuse_names_has_aux_and_the_output(has_aux, match, maybe_jit):
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = ls.nnx.Optimizer(
+        model, ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(8.0)), wrt=nnx.Param)
+
+    def loss_fn(model):
+        loss = jnp.sum(model(jnp.ones((1, 2))) ** 2)
+        return loss if has_aux else (loss, jnp.float32(3.0))   # the other one than declared
+
+    grad_fn = maybe_jit(ls.value_and_grad(loss_fn, has_aux=has_aux))
+    with pytest.raises(TypeError, match=match) as info:
+        grad_fn(optimizer, model)
+    assert "24" not in str(info.value)                         # the aux, scaled, not shown
