@@ -185,6 +185,16 @@ class TrainState(train_state.TrainState):
     skip decision (:func:`loss_scaling.apply_gradients`); ``step`` counts every call,
     skipped ones included (``loss_scaling.metrics(state)`` counts the skips).
 
+    For ``nn.BatchNorm``, subclass it as flax's own examples subclass flax's TrainState
+    (``class TrainState(ls.TrainState): batch_stats: Any``; docs/linen.md has the whole
+    step): ``create(..., batch_stats=...)`` sets the field and ``apply_gradients(grads=...,
+    batch_stats=...)`` stores the forward pass's new statistics. Like every field passed
+    there, they are stored on a skipped step too, as in flax's dynamic-scale recipe: the
+    forward pass is as valid as without loss scaling (an overflow is a property of the
+    scaled backward pass); only ``params`` and ``opt_state`` stay bit-identical. (Not a
+    field of this class: it would change the tree of every saved ``ls.TrainState``, and
+    Orbax and ``flax.serialization`` would refuse the checkpoints saved without it.)
+
     Examples:
       >>> import jax, jax.numpy as jnp, optax
       >>> import loss_scaling as ls
