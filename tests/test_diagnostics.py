@@ -303,3 +303,14 @@ def test_value_and_grad_has_aux_misuse_names_has_aux_and_the_output(has_aux, ret
         (loss, aux), _ = ls.value_and_grad(lambda w, out=out: out, has_aux=True)(
             ls.StaticLossScale(8.0), jnp.ones(2))
         assert float(loss) == 1.0 and aux is out[1]
+
+
+def test_the_getting_started_check_shows_a_model_that_needs_loss_scaling():
+    # docs/getting_started.md, "Does my model need loss scaling at all?": the unscaled
+    # float16 step flushes gradients to zero that the scaled one keeps.
+    import doc_blocks
+
+    ns = doc_blocks.namespace(doc_blocks.named("getting_started.md", "need_scaling"))
+    (zero_unscaled, _), (zero_scaled, _) = ns["unscaled"], ns["scaled"]
+    assert 0.05 < zero_unscaled < 0.2                  # the page says "about 10%"
+    assert zero_scaled < zero_unscaled / 10
