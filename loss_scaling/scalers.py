@@ -333,7 +333,7 @@ class DynamicLossScale:
 # API table (autosummary reads the object's docstring) would say "Represent a PEP 604
 # union type". Both work in annotations and in isinstance.
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]  # noqa: UP007
-LossScale.__doc__ = """Type alias: any of the three loss-scale states.
+LossScale.__doc__ = """Any of the three loss-scale states (a type alias).
 
 ``NoOpLossScale | StaticLossScale | DynamicLossScale``, for annotations (``s: ls.LossScale``)
 and ``isinstance(s, ls.LossScale)``; :func:`loss_scale_for` picks one for a compute dtype.

@@ -234,7 +234,7 @@ def test_site_builds_with_warnings_as_errors(tmp_path):
         html = (out / "notebooks" / f"{notebook.stem}.html").read_text()
         assert "<img" in html, f"{notebook.name}: rendered without its committed outputs"
     api = (out / "api.html").read_text()
-    assert "PEP 604" not in api and "Type alias: any of the three loss-scale states" in api
+    assert "PEP 604" not in api and "Any of the three loss-scale states (a type alias)" in api
     for name in ls.__all__:
         assert f'id="loss_scaling.{name}"' in api, name
     for name in ("nnx.Optimizer", "nnx.value_and_grad", "equinox.apply_gradients"):
