@@ -2,9 +2,12 @@
 
 Reached as ``loss_scaling.equinox`` (Equinox is optional: ``import loss_scaling`` never
 imports it). Equinox models are pytrees whose leaves mix floating-point arrays with other
-things (activation functions, integers, flags); following ``eqx.filter_value_and_grad``,
-only the floating-point arrays are differentiated and the gradients hold ``None``
-elsewhere. Stateful layers keep their state outside the model (``eqx.nn.State``, threaded
+things (activation functions, integer or bool arrays such as a stored causal mask or an
+index table, flags); following ``eqx.filter_value_and_grad``, only the floating-point
+arrays (``eqx.is_inexact_array``) are differentiated, the gradients hold ``None``
+elsewhere, and only those arrays are trained: initialise the optimizer with
+``tx.init(eqx.filter(model, eqx.is_inexact_array))``. Every other leaf is passed through
+unchanged. Stateful layers keep their state outside the model (``eqx.nn.State``, threaded
 as an ordinary argument and returned as aux), and ``eqx.nn.Dropout`` takes a ``key``, so
 a skipped step changes nothing but what the caller chooses to keep: the recipe in
 ``docs/equinox.md`` keeps the new ``State`` (BatchNorm's running statistics from the
@@ -21,7 +24,7 @@ import jax
 import optax
 
 from loss_scaling import tree
-from loss_scaling.train_step import scaler_of_state
+from loss_scaling.train_step import scaler_of_state, split_loss_and_aux
 from loss_scaling.transform import apply_gradients as _apply_gradients
 
 __all__ = ["apply_gradients", "filter_value_and_grad"]
@@ -62,7 +65,7 @@ def filter_value_and_grad(
       >>> import loss_scaling as ls
       >>> model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
       >>> tx = ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(8.0))
-      >>> opt_state = tx.init(eqx.filter(model, eqx.is_array))
+      >>> opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
       >>> loss_fn = lambda model, x: jnp.sum(model(x) ** 2)
       >>> loss, grads = ls.equinox.filter_value_and_grad(loss_fn)(opt_state, model, jnp.ones(2))
       >>> true_loss, true_grads = eqx.filter_value_and_grad(loss_fn)(model, jnp.ones(2))
@@ -84,8 +87,7 @@ def filter_value_and_grad(
             full = list(args)
             for i in nums:
                 full[i] = eqx.combine(diff[i], parts[i][1])
-            out = fun(*full, **kwargs)
-            loss, aux = out if has_aux else (out, None)
+            loss, aux = split_loss_and_aux(fun, fun(*full, **kwargs), has_aux)
             return tree.scale(scaler, loss), (loss, aux)
 
         diff = {i: parts[i][0] for i in nums}
@@ -105,33 +107,72 @@ def apply_gradients(
 ) -> tuple[Any, optax.OptState]:
     """The fused step on an Equinox model: ``(model, opt_state) -> (model, opt_state)``.
 
-    :func:`loss_scaling.apply_gradients` on ``eqx.filter(model, eqx.is_array)`` (the
-    tree ``tx.init`` was given), recombined with the model's other leaves: the inner
+    :func:`loss_scaling.apply_gradients` on ``eqx.filter(model, eqx.is_inexact_array)``
+    (the tree ``tx.init`` was given), recombined with the model's other leaves: the inner
     update and its application run under one skip decision, and a skipped step returns
-    every array of the model bit-identical.
+    every array of the model bit-identical. Integer and bool arrays (a stored mask, an
+    index table) are not trained and come back as they are, as with
+    ``eqx.apply_updates``.
 
     Args:
       tx: the transformation (ideally from :func:`~loss_scaling.with_loss_scaling`).
       grads: gradients of the scaled loss, ``None`` for non-arrays (as
         :func:`filter_value_and_grad` returns them).
-      opt_state: ``tx``'s state, initialised with ``tx.init(eqx.filter(model, eqx.is_array))``.
+      opt_state: ``tx``'s state, initialised with
+        ``tx.init(eqx.filter(model, eqx.is_inexact_array))``.
       model: the Equinox model.
       **extra_args: forwarded to the inner update; ``loss=`` is also checked.
 
     Returns:
       ``(new_model, new_opt_state)``.
 
+    Raises:
+      ValueError: if ``opt_state`` was initialised on ``eqx.filter(model, eqx.is_array)``
+        of a model that holds integer or bool arrays (they have no gradients).
+
     Examples:
       >>> import jax, jax.numpy as jnp, equinox as eqx, optax
       >>> import loss_scaling as ls
       >>> model = eqx.nn.Linear(2, 1, use_bias=False, key=jax.random.key(0))
       >>> tx = ls.with_loss_scaling(optax.sgd(0.5), ls.StaticLossScale(4.0))
-      >>> opt_state = tx.init(eqx.filter(model, eqx.is_array))
+      >>> opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
       >>> grads = eqx.tree_at(lambda m: m.weight, model, jnp.full((1, 2), 4.0))  # scaled
       >>> new_model, opt_state = ls.equinox.apply_gradients(tx, grads, opt_state, model)
       >>> bool(jnp.all(new_model.weight == model.weight - 0.5))
       True
     """
-    params, static = eqx.partition(model, eqx.is_array)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    _refuse_state_of_all_arrays(opt_state, params, model)
     params, opt_state = _apply_gradients(tx, grads, opt_state, params, **extra_args)
     return eqx.combine(params, static), opt_state
+
+
+INITIALISED_WITH_IS_ARRAY = (
+    "opt_state was initialised for {arrays} arrays, which is eqx.filter(model, "
+    "eqx.is_array): it includes the model's {other} integer or bool arrays ({names}), "
+    "which have no gradients and are not trained. Initialise the optimizer with "
+    "`tx.init(eqx.filter(model, eqx.is_inexact_array))` ({inexact} floating-point arrays)."
+)
+
+
+def _refuse_state_of_all_arrays(opt_state: Any, params: Any, model: Any) -> None:
+    """A clear error for a state built on ``eqx.is_array`` of a model with int/bool arrays.
+
+    Without it, the wrapper's message blames the gradients' structure. Only static
+    shapes are read (no sync), so this runs under ``jit`` too.
+    """
+    arrays = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    inexact = len(jax.tree.leaves(params))
+    if len(arrays) == inexact:
+        return
+    from loss_scaling.lookup import _all_loss_scaling_states
+
+    for _, state in _all_loss_scaling_states(opt_state):
+        if state.nonfinite_grads.shape[-1:] == (len(arrays),):
+            others = [jax.tree_util.keystr(path, simple=True, separator=".")
+                      for path, leaf in jax.tree_util.tree_leaves_with_path(model)
+                      if eqx.is_array(leaf) and not eqx.is_inexact_array(leaf)]
+            shown = ", ".join(others[:5]) + (" ..." if len(others) > 5 else "")
+            raise ValueError(INITIALISED_WITH_IS_ARRAY.format(
+                arrays=len(arrays), other=len(arrays) - inexact, names=shown,
+                inexact=inexact))

@@ -29,16 +29,21 @@ def _unwrap_variables(x: Any) -> Any:
 
     An ``nnx.State`` (``nnx.state(optimizer)``, the state from ``nnx.split(optimizer)``)
     holds the wrapper's state as a plain mapping of its fields: it is rebuilt into a
-    :class:`LossScalingState` (see :func:`_from_nnx_state`).
+    :class:`LossScalingState` (see :func:`_from_nnx_state`). Optimizers and States are
+    found anywhere in ``x``, e.g. in the dict ``{"model": nnx.state(model), "optimizer":
+    nnx.state(optimizer)}`` that an Orbax checkpoint saves.
     """
     try:
         from flax import nnx
     except ImportError:  # pragma: no cover - flax is a dependency
         return x
-    if isinstance(x, nnx.Optimizer):
-        x = x.opt_state
-    if isinstance(x, nnx.State):
-        x = _from_nnx_state(x)
+
+    def rebuild(node: Any) -> Any:
+        if isinstance(node, nnx.Optimizer):
+            node = node.opt_state
+        return _from_nnx_state(node) if isinstance(node, nnx.State) else node
+
+    x = jax.tree.map(rebuild, x, is_leaf=lambda v: isinstance(v, (nnx.Optimizer, nnx.State)))
     # get_value(): flax >= 0.12 deprecates `.value` (a DeprecationWarning on every call).
     return jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, x,
                         is_leaf=lambda v: isinstance(v, nnx.Variable))
@@ -146,7 +151,9 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
     ``inject_hyperparams``, ``masked`` / ``multi_transform``, a flax ``TrainState`` (or its
     ``opt_state``) and a ``flax.nnx.Optimizer`` (or its ``opt_state``, ``nnx.state`` of it,
     or the state from ``nnx.split`` of it: for those two, build it as
-    ``loss_scaling.nnx.Optimizer``, which keeps the configuration in the state).
+    ``loss_scaling.nnx.Optimizer``, which keeps the configuration in the state), also
+    inside dicts, lists and nested ``nnx.State`` (the ``{"model": nnx.state(model),
+    "optimizer": nnx.state(optimizer)}`` an Orbax checkpoint saves).
 
     Args:
       opt_state: an optimizer state, TrainState or nnx Optimizer.
@@ -288,9 +295,7 @@ def nonfinite_grad_paths(opt_state: Any, params: Any, path: str | None = None) -
       ['dec.w']
     """
     flags = np.asarray(_get_wrapper_state(opt_state, path).nonfinite_grads)
-    if isinstance(params, optax.LookaheadParams):  # differentiated: the fast params only
-        params = params.fast
-    names = leaf_names(params)
+    names = gradient_leaf_names(params)
     if flags.shape[-1:] != (len(names),):
         raise ValueError(
             f"params has {len(names)} leaves but the optimizer state holds "
@@ -300,6 +305,21 @@ def nonfinite_grad_paths(opt_state: Any, params: Any, path: str | None = None) -
         return []
     flagged = np.atleast_1d(flags.reshape(-1, len(names)).any(axis=0)).tolist()  # any replica
     return [name for name, flag in zip(names, flagged, strict=True) if flag]
+
+
+def gradient_leaf_names(params: Any) -> list[str]:
+    """The names of the gradient leaves that ``params`` receives, one per non-finite flag.
+
+    The one naming of gradient leaves (:func:`nonfinite_grad_paths` and the messages of
+    :func:`check` use it): :func:`~loss_scaling.transform.leaf_names` (key paths written by
+    ``jax.tree_util.keystr(path, simple=True, separator=".")``) of the differentiated part
+    of ``params``. The gradients mirror the params, except around wrappers whose params
+    carry more than is differentiated: ``optax.lookahead`` takes
+    ``LookaheadParams(fast, slow)`` but gradients of ``fast`` only.
+    """
+    if isinstance(params, optax.LookaheadParams):
+        params = params.fast
+    return leaf_names(params)
 
 
 def _host(x: Any) -> np.ndarray:
@@ -417,7 +437,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
     # that arrived invalid (built by unflatten, an unchecked restore) before any step.
     failure = _effective_failure(failure, scaler_failure, scale)
     if np.any(failure != _errors.Failure.NONE):
-        names = None if params is None else leaf_names(params)
+        names = None if params is None else gradient_leaf_names(params)
         failed = _first_failing(wrapper._replace(failure=failure), failure)
         scaler = failed.scaler
         if isinstance(scaler, DynamicLossScale) and scaler.config is None:

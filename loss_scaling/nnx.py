@@ -31,7 +31,12 @@ from flax import nnx
 from loss_scaling import tree
 from loss_scaling.lookup import CONFIG_METADATA, refuse_wrapper_inside_multisteps
 from loss_scaling.scalers import DynamicLossScale
-from loss_scaling.train_step import WRONG_FIRST_ARGUMENT, describe, scaler_of_state
+from loss_scaling.train_step import (
+    WRONG_FIRST_ARGUMENT,
+    describe,
+    scaler_of_state,
+    split_loss_and_aux,
+)
 from loss_scaling.transform import LossScalingState, apply_gradients
 
 __all__ = ["Optimizer", "value_and_grad"]
@@ -131,8 +136,7 @@ def value_and_grad(
             nnx.DiffState(i, filter_) if is_graph_node(args[i]) else i for i in argnum_tuple)
 
         def scaled(*args: Any, **kwargs: Any) -> Any:
-            out = fun(*args, **kwargs)
-            loss, aux = out if has_aux else (out, None)
+            loss, aux = split_loss_and_aux(fun, fun(*args, **kwargs), has_aux)
             return tree.scale(scaler, loss), (loss, aux)
 
         grad_fn = nnx.value_and_grad(

@@ -14,7 +14,7 @@ import dataclasses
 import numbers
 import operator
 import warnings
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import jax
 import jax.numpy as jnp
@@ -329,8 +329,15 @@ class DynamicLossScale:
                 f"failure={self.failure!r}, {fields})")
 
 
-LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
-"""Any of the three loss-scale states."""
+# typing.Union rather than `A | B | C`: a types.UnionType's __doc__ is read-only, so the
+# API table (autosummary reads the object's docstring) would say "Represent a PEP 604
+# union type". Both work in annotations and in isinstance.
+LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]  # noqa: UP007
+LossScale.__doc__ = """Any of the three loss-scale states (a type alias).
+
+``NoOpLossScale | StaticLossScale | DynamicLossScale``, for annotations (``s: ls.LossScale``)
+and ``isinstance(s, ls.LossScale)``; :func:`loss_scale_for` picks one for a compute dtype.
+"""
 
 
 def validate_dynamic_config(

@@ -32,6 +32,50 @@ def describe(x: Any) -> str:
     return f"an object of type {type(x).__module__}.{type(x).__qualname__}"
 
 
+AUX_NOT_A_PAIR = (
+    "`value_and_grad({name}, has_aux=True)`: with has_aux=True the function must return "
+    "a pair `(loss, aux)`, but {name} returned {what}. Return `loss, aux`, or pass "
+    "has_aux=False if it returns the loss only."
+)
+PAIR_WITHOUT_AUX = (
+    "`value_and_grad({name}, has_aux=False)`: with has_aux=False the function must return "
+    "the scalar loss only, but {name} returned {what}. If it returns `(loss, aux)`, pass "
+    "has_aux=True."
+)
+
+
+def _describe_output(out: Any) -> str:
+    """What a loss function returned, without its (possibly traced) values."""
+    if isinstance(out, (tuple, list)):
+        parts = ", ".join(_describe_output(x) for x in out[:4])
+        more = ", ..." if len(out) > 4 else ""
+        return f"a {type(out).__name__} of {len(out)} elements ({parts}{more})"
+    if hasattr(out, "shape") and hasattr(out, "dtype"):
+        return f"an array of shape {tuple(out.shape)} and dtype {out.dtype}"
+    if isinstance(out, dict):
+        return f"a dict with keys {sorted(map(str, out))[:6]}"
+    return describe(out)
+
+
+def split_loss_and_aux(fun: Callable[..., Any], out: Any, has_aux: bool) -> tuple[Any, Any]:
+    """``(loss, aux)`` from ``fun``'s output, or an error naming ``has_aux`` and the output.
+
+    Checked before the loss is scaled, so that no message shows scaled values (the
+    output of a function with ``has_aux=False`` that returns ``(loss, aux)`` would
+    otherwise be scaled as a whole, aux included).
+    """
+    name = getattr(fun, "__name__", None) or "loss_fn"
+    if name == "<lambda>":
+        name = "loss_fn"
+    if has_aux:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(AUX_NOT_A_PAIR.format(name=name, what=_describe_output(out)))
+        return out[0], out[1]
+    if isinstance(out, (tuple, list, dict)):
+        raise TypeError(PAIR_WITHOUT_AUX.format(name=name, what=_describe_output(out)))
+    return out, None
+
+
 def scaler_of_state(state: Any) -> Any:
     """The loss scale that ``state`` holds, or an error saying what the first argument is."""
     if isinstance(state, SCALER_TYPES):
@@ -100,6 +144,8 @@ def value_and_grad(
     Raises:
       TypeError / ValueError: at call time, when the first argument is not (and does not
         hold) a loss scale: e.g. the model passed first, or the optimizer forgotten.
+      TypeError: when ``fun``'s output does not match ``has_aux`` (a bare loss with
+        ``has_aux=True``, a tuple or list with ``has_aux=False``), naming both.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -123,8 +169,7 @@ def value_and_grad(
         scaler = scaler_of_state(state)
 
         def scaled(*args: Any, **kwargs: Any) -> Any:
-            out = fun(*args, **kwargs)
-            loss, aux = out if has_aux else (out, None)
+            loss, aux = split_loss_and_aux(fun, fun(*args, **kwargs), has_aux)
             return tree.scale(scaler, loss), (loss, aux)
 
         (_, (loss, aux)), grads = jax.value_and_grad(scaled, argnums, has_aux=True)(
@@ -141,6 +186,16 @@ class TrainState(train_state.TrainState):
     loss. ``apply_gradients`` runs the inner update and the parameter update under one
     skip decision (:func:`loss_scaling.apply_gradients`); ``step`` counts every call,
     skipped ones included (``loss_scaling.metrics(state)`` counts the skips).
+
+    For ``nn.BatchNorm``, subclass it as flax's own examples subclass flax's TrainState
+    (``class TrainState(ls.TrainState): batch_stats: Any``; docs/linen.md has the whole
+    step): ``create(..., batch_stats=...)`` sets the field and ``apply_gradients(grads=...,
+    batch_stats=...)`` stores the forward pass's new statistics. Like every field passed
+    there, they are stored on a skipped step too, as in flax's dynamic-scale recipe: the
+    forward pass is as valid as without loss scaling (an overflow is a property of the
+    scaled backward pass); only ``params`` and ``opt_state`` stay bit-identical. (Not a
+    field of this class: it would change the tree of every saved ``ls.TrainState``, and
+    Orbax and ``flax.serialization`` would refuse the checkpoints saved without it.)
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax

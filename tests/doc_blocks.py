@@ -13,8 +13,9 @@ convention (also written at the top of ``tests/test_docs.py``):
   ``<!-- block: name=guard -->`` (a name other tests use), ``<!-- block: devices=8 -->`` (run
   in a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``, set before jax is
   imported), ``<!-- block: tested-by=tests/multihost/test_multihost.py -->`` (needs several
-  processes: that test file runs it and must name this page). GitHub and Sphinx both hide the
-  comment.
+  processes: that test file runs it and must name this page), ``<!-- block: wide=REASON -->``
+  (a ```` ```text ```` block of verbatim program output allowed lines over 88 characters,
+  the width the rendered site shows). GitHub and Sphinx both hide the comment.
 
 Run by hand (this is what the devices=8 subprocess does)::
 
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONS = ("name", "devices", "tested-by")
+OPTIONS = ("name", "devices", "tested-by", "wide")
 _FENCE = re.compile(r"^(`{3,})(.*)$")
 _MARKER = re.compile(r"^<!--\s*block:(.*?)-->\s*$")
 

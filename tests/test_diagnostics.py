@@ -275,3 +275,60 @@ def test_the_opt_in_raise_under_jit_is_what_the_docs_quote():
     text = str(info.value)
     assert "LossScaleError: loss scale backoff failed: the loss scale 1.1754943508222875e-38" \
         in text
+
+
+@pytest.mark.parametrize("path", ["plain", "fused"])
+def test_check_and_nonfinite_grad_paths_name_lookahead_leaves_alike(path):
+    # optax.lookahead takes LookaheadParams(fast, slow) but gradients of `fast` only: the
+    # names of both helpers come from one function, the failure message's too.
+    tx = ls.with_loss_scaling(optax.lookahead(optax.sgd(0.1), sync_period=2,
+                                              slow_step_size=0.5), max_consecutive_skips=2)
+    params = optax.LookaheadParams.init_synced({"enc": {"w": jnp.ones(2)}, "b": jnp.ones(3)})
+    opt_state = tx.init(params)
+    step = jax.jit(make_step(tx, path))
+    grads = {"enc": {"w": jnp.asarray([1.0, NAN])}, "b": jnp.ones(3)}
+    for _ in range(2):
+        _, opt_state = step(grads, opt_state, params)
+    assert ls.nonfinite_grad_paths(opt_state, params) == ["enc.w"]
+    with pytest.raises(ls.LossScaleError, match=r"non-finite on the last skipped step: enc\.w\."):
+        ls.check(opt_state, params=params)
+
+
+AUX_MISUSES = pytest.mark.parametrize("has_aux, returns, match", [
+    (True, lambda loss, w: loss, r"has_aux=True.*pair `\(loss, aux\)`.*returned an array "
+                                 r"of shape \(\) and dtype float32"),
+    (True, lambda loss, w: (loss, w, w), r"has_aux=True.*returned a tuple of 3 elements"),
+    (False, lambda loss, w: (loss, {"w": w}), r"has_aux=False.*scalar loss only.*returned "
+                                              r"a tuple of 2 elements.*pass has_aux=True"),
+    (False, lambda loss, w: [loss, w], r"has_aux=False.*returned a list of 2 elements"),
+], ids=["true-bare-loss", "true-triple", "false-pair", "false-list"])
+
+
+@AUX_MISUSES
+@MAYBE_JIT
+def test_value_and_grad_has_aux_misuse_names_has_aux_and_the_output(has_aux, returns, match,
+                                                                    maybe_jit):
+    # Clearer than jax.value_and_grad's messages, and never showing the aux scaled.
+    def loss_fn(w):
+        return returns(jnp.sum(w ** 2), w * 3.0)
+
+    grad_fn = maybe_jit(ls.value_and_grad(loss_fn, has_aux=has_aux))
+    with pytest.raises(TypeError, match=match) as info:
+        grad_fn(ls.StaticLossScale(8.0), jnp.ones(2))
+    assert "value_and_grad(loss_fn" in str(info.value) and "24" not in str(info.value)
+    # What JAX accepts still works: a list pair, and any aux (a string, an object).
+    for out in ([jnp.float32(1.0), jnp.ones(2)], (jnp.float32(1.0), "note")):
+        (loss, aux), _ = ls.value_and_grad(lambda w, out=out: out, has_aux=True)(
+            ls.StaticLossScale(8.0), jnp.ones(2))
+        assert float(loss) == 1.0 and aux is out[1]
+
+
+def test_the_getting_started_check_shows_a_model_that_needs_loss_scaling():
+    # docs/getting_started.md, "Does my model need loss scaling at all?": the unscaled
+    # float16 step flushes gradients to zero that the scaled one keeps.
+    import doc_blocks
+
+    ns = doc_blocks.namespace(doc_blocks.named("getting_started.md", "need_scaling"))
+    (zero_unscaled, _), (zero_scaled, _) = ns["unscaled"], ns["scaled"]
+    assert 0.05 < zero_unscaled < 0.2                  # the page says "about 10%"
+    assert zero_scaled < zero_unscaled / 10

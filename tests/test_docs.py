@@ -17,7 +17,12 @@ The code-block convention (README.md and every docs/*.md page; parsing in doc_bl
     subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``;
   - ``<!-- block: tested-by=PATH -->``: the block needs something a single process cannot give
     (several processes with ``jax.distributed``); the test file PATH runs it and must name the
-    page.
+    page;
+  - ``<!-- block: wide=REASON -->``: a ```` ```text ```` block of verbatim program output
+    whose lines may be wider than the others' limit.
+
+* Every line of every block is at most 88 characters: the rendered site cuts longer ones off
+  (wrap code; put a long trailing comment on the line above).
 
 The site build is ``sphinx-build -W --keep-going -b html docs OUT``: a broken page, a missing
 link target, a docstring that does not parse or a page outside the toctree fails it.
@@ -89,6 +94,23 @@ def test_every_python_fence_is_a_block_that_runs():
             f"{page}: a ```python fence that does not start at the left margin")
 
 
+CODE_WIDTH = 88  # characters: what the rendered site shows without cutting a line off
+
+
+def test_every_code_block_line_fits_the_rendered_width():
+    too_long = []
+    for page in doc_blocks.pages():
+        for block in doc_blocks.blocks(page):
+            if block.option("wide"):
+                assert block.info == "text", f"{block.id}: only text output may be wide"
+                continue
+            too_long += [f"{block.id} (+{number}): {len(line)} characters: {line[:40]}..."
+                         for number, line in enumerate(block.code.splitlines(), 1)
+                         if len(line) > CODE_WIDTH]
+    assert not too_long, "wrap these code lines to at most 88 characters:\n" + "\n".join(
+        too_long)
+
+
 def test_the_pages_have_blocks_and_names_are_unique():
     assert len(LOCAL_BLOCKS) >= 20 and DEVICE_BLOCKS
     for page in doc_blocks.pages():
@@ -114,9 +136,10 @@ def test_readme_is_a_front_page():
     first = doc_blocks.blocks("README.md")[0]
     assert first.info == "bash" and first.line < 15
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert ci in first.code
+    commands = re.sub(r" \\\n\s*", " ", first.code)  # lines continued with a backslash
+    assert ci in commands
     assert ('python3 -m venv .venv && .venv/bin/pip install -q -e ".[demo]" && '
-            ".venv/bin/python -m loss_scaling.demo") in first.code
+            ".venv/bin/python -m loss_scaling.demo") in commands
     for needed in ('-m "not slow"', "docs/demo.png", "ls.check(", "ls.TrainState",
                    "ls.nnx.Optimizer", "pip install", "git+", "sphinx"):
         assert needed in README, needed
@@ -211,6 +234,7 @@ def test_site_builds_with_warnings_as_errors(tmp_path):
         html = (out / "notebooks" / f"{notebook.stem}.html").read_text()
         assert "<img" in html, f"{notebook.name}: rendered without its committed outputs"
     api = (out / "api.html").read_text()
+    assert "PEP 604" not in api and "Any of the three loss-scale states (a type alias)" in api
     for name in ls.__all__:
         assert f'id="loss_scaling.{name}"' in api, name
     for name in ("nnx.Optimizer", "nnx.value_and_grad", "equinox.apply_gradients"):

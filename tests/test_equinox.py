@@ -96,7 +96,7 @@ def make_tx():
 
 
 def params_of(model):
-    return eqx.filter(model, eqx.is_array)
+    return eqx.filter(model, eqx.is_inexact_array)
 
 
 def bits(tree):
@@ -303,3 +303,93 @@ def test_a_skipped_step_keeps_the_forward_pass_state_and_nothing_else(fused, may
     bitwise.assert_bit_identical(bitwise.bits(forward_state), new_state)   # kept
     assert float(ls.get_loss_scale(opt_state).loss_scale) == INIT_SCALE / 2
     assert new_model.drop.p == model.drop.p and new_model.bn.axis_name == "batch"
+
+
+# ------------------------------------------- integer and bool arrays (not trained)
+
+
+class Masked(eqx.Module):
+    """A linear layer behind a stored int mask and a bool mask (as a causal mask is)."""
+
+    lin: eqx.nn.Linear
+    keep: jax.Array    # int32
+    causal: jax.Array  # bool
+
+    def __init__(self, key):
+        self.lin = eqx.nn.Linear(4, 4, key=key)
+        self.keep = jnp.array([1, 0, 1, 1], jnp.int32)
+        self.causal = jnp.tril(jnp.ones((4, 4), bool))
+
+    def __call__(self, x, poison):
+        h = jnp.where(self.causal, self.lin.weight.astype(F16), 0) @ x.astype(F16)
+        return overflow_if(h * self.keep + self.lin.bias.astype(F16), poison)
+
+
+def masked_loss(model, x, poison):
+    return jnp.mean((jax.vmap(model, in_axes=(0, None))(x, poison).astype(F32) - 1.0) ** 2)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_int_and_bool_array_leaves_are_not_trained_and_a_skip_keeps_everything(fused):
+    model = Masked(jax.random.key(0))
+    tx = ls.with_loss_scaling(optax.adam(1e-1), ls.DynamicLossScale(init_scale=2.0**8))
+    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+    x = jax.random.normal(jax.random.key(1), (8, 4))
+
+    @eqx.filter_jit
+    def step(model, opt_state, poison):
+        loss, grads = ls.value_and_grad(masked_loss)(opt_state, model, x, poison)
+        if fused:
+            model, opt_state = ls.equinox.apply_gradients(tx, grads, opt_state, model,
+                                                          loss=loss)
+        else:  # the plain recipe of docs/equinox.md
+            params = eqx.filter(model, eqx.is_inexact_array)
+            updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
+            model = eqx.apply_updates(model, updates)
+        return model, opt_state, loss
+
+    losses = []
+    for i in range(6):
+        before = bitwise.bits((model, opt_state.inner_state))
+        model, opt_state, loss = step(model, opt_state, jnp.asarray(float(i == 2), F32))
+        losses.append(float(loss))
+        if i == 2:  # the injected overflow: skipped, every array bit-identical
+            assert not bool(ls.metrics(opt_state)["last_step_finite"])
+            bitwise.assert_bit_identical(before, (model, opt_state.inner_state))
+    assert int(ls.metrics(opt_state)["skipped_steps"]) == 1
+    assert losses[-1] < 0.5 * losses[0]
+    assert model.keep.dtype == jnp.int32 and model.causal.dtype == jnp.bool_
+    np.testing.assert_array_equal(model.keep, [1, 0, 1, 1])
+    np.testing.assert_array_equal(model.causal, np.tril(np.ones((4, 4), bool)))
+
+
+def test_a_state_initialised_on_is_array_of_a_model_with_int_leaves_is_refused_clearly():
+    model = Masked(jax.random.key(0))
+    tx = ls.with_loss_scaling(optax.sgd(0.1))
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    loss, grads = ls.value_and_grad(masked_loss)(opt_state, model, jnp.ones((2, 4)),
+                                                 jnp.zeros((), F32))
+    with pytest.raises(ValueError, match=r"eqx.is_inexact_array.*") as info:
+        ls.equinox.apply_gradients(tx, grads, opt_state, model)
+    assert "keep" in str(info.value) and "causal" in str(info.value)
+
+
+@pytest.mark.parametrize("has_aux, match", [
+    (True, r"has_aux=True.*pair `\(loss, aux\)`.*loss_fn returned an array of shape \(\)"),
+    (False, r"has_aux=False.*scalar loss only.*returned a tuple of 2 elements.*"
+            r"pass has_aux=True"),
+])
+@MAYBE_JIT
+def test_value_and_grad_has_aux_misuse_names_has_aux_and_the_output(has_aux, match, maybe_jit):
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    opt_state = ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(8.0)).init(
+        eqx.filter(model, eqx.is_inexact_array))
+
+    def loss_fn(model):
+        loss = jnp.sum(model(jnp.ones(2)) ** 2)
+        return loss if has_aux else (loss, jnp.float32(3.0))   # the other one than declared
+
+    grad_fn = maybe_jit(ls.value_and_grad(loss_fn, has_aux=has_aux))
+    with pytest.raises(TypeError, match=match) as info:
+        grad_fn(opt_state, model)
+    assert "24" not in str(info.value)                         # the aux, scaled, not shown

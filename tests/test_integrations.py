@@ -334,6 +334,46 @@ def test_docs_train_state_snippet_runs_and_skips_a_nan_step():
     assert bool(metrics["last_step_finite"])
 
 
+def test_docs_batchnorm_dropout_recipe_trains_and_a_skip_keeps_the_new_batch_stats():
+    ns = docs_block("linen.md", "batchnorm_dropout")
+    state, train_step, x, y = ns["state"], ns["train_step"], ns["x"], ns["y"]
+    assert isinstance(state, ls.TrainState) and int(state.step) == 10
+    leaves = jax.tree.leaves((state.params, state.batch_stats))
+    assert all(leaf.dtype == jnp.float32 for leaf in leaves)
+    init = ns["model"].init(jax.random.key(0), x, train=False)
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), init["batch_stats"],
+                         state.batch_stats)
+    assert all(jax.tree.leaves(moved))                        # kept from each forward pass
+
+    def eval_loss(state):
+        logits = ns["predict"](state, x).astype(jnp.float32)
+        return float(optax.softmax_cross_entropy_with_integer_labels(logits, y).mean())
+
+    trained = init | {"params": state.params}
+    first = ns["TrainState"].create(apply_fn=state.apply_fn, params=init["params"],
+                                    batch_stats=state.batch_stats, tx=state.tx)
+    assert eval_loss(state) < eval_loss(first)                # it trained
+    # A backward-only overflow (the scaled cotangents leave float16): skipped. params and
+    # the optimizer state stay bit-identical; batch_stats are the forward pass's new ones.
+    tx = ls.with_loss_scaling(optax.adamw(1e-3), ls.StaticLossScale(2.0**40))
+    state = ns["TrainState"].create(apply_fn=state.apply_fn, params=trained["params"],
+                                    batch_stats=state.batch_stats, tx=tx)
+    old_stats = jax.tree.map(np.asarray, state.batch_stats)
+    before = bits((state.params, state.opt_state.inner_state))
+    key = jax.random.fold_in(ns["dropout_key"], state.step)
+    _, forward = state.apply_fn({"params": state.params, "batch_stats": state.batch_stats},
+                                x, train=True, rngs={"dropout": key}, mutable=["batch_stats"])
+    forward = jax.tree.map(np.asarray, forward["batch_stats"])
+    state, loss, metrics = train_step(state, x, y)
+    assert np.isfinite(float(loss)) and not bool(metrics["last_step_finite"])
+    assert_bit_identical(before, (state.params, state.opt_state.inner_state))
+    assert int(state.step) == 1                                 # counted, as in flax
+    for new, fwd, old in zip(jax.tree.leaves(state.batch_stats), jax.tree.leaves(forward),
+                             jax.tree.leaves(old_stats), strict=True):
+        np.testing.assert_allclose(new, fwd, rtol=1e-3, atol=1e-5)   # float16 forward
+        assert not np.array_equal(new, old)
+
+
 def test_docs_nnx_snippet_runs_and_skips_a_nan_step():
     ns = docs_block("optax_wrapper.md", "nnx_plain")
     model, optimizer, train_step, x, y = (ns[k] for k in ("model", "optimizer", "train_step",

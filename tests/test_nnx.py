@@ -458,12 +458,24 @@ def holders(optimizer):
             "split": nnx.split(optimizer)[1]}
 
 
-@pytest.mark.parametrize("holder", ["optimizer", "state", "split"])
+def lookup_holders(optimizer, model):
+    """holders(), and the dicts an Orbax checkpoint of model and optimizer saves."""
+    return {**holders(optimizer),
+            "checkpoint": {"model": nnx.state(model), "optimizer": nnx.state(optimizer)},
+            "split_pair": {"model": nnx.split(model)[1],
+                           "optimizer": nnx.split(optimizer)[1]},
+            "nested": {"run": [nnx.state(model), {"opt": nnx.state(optimizer)}]}}
+
+
+LOOKUP_HOLDERS = ["optimizer", "state", "split", "checkpoint", "split_pair", "nested"]
+
+
+@pytest.mark.parametrize("holder", LOOKUP_HOLDERS)
 def test_get_loss_scale_and_metrics_accept_the_optimizer_its_state_and_split(holder):
     model = make_model()
     optimizer = make_optimizer(model, fused=True)
     wrapper_run(True, steps=4, model=model, optimizer=optimizer)   # step 3 is poisoned
-    source = holders(optimizer)[holder]
+    source = lookup_holders(optimizer, model)[holder]
     s = ls.get_loss_scale(source)
     assert isinstance(s, ls.DynamicLossScale) and s.growth_interval == GROWTH_INTERVAL
     expected = ls.get_loss_scale(optimizer)
@@ -541,7 +553,7 @@ def test_check_reads_a_failure_from_the_optimizer_its_state_and_split(fused):
     model = make_model()
     tx = ls.with_loss_scaling(optax.adam(LR), ls.DynamicLossScale(init_scale=2.0**-126))
     optimizer = make_optimizer(model, fused, tx=tx)
-    for source in holders(optimizer).values():
+    for source in lookup_holders(optimizer, model).values():
         assert ls.check(source) is None
     step = nnx.jit(lambda optimizer, model, x, y, poison: optimizer.update(
         model, ls.value_and_grad(loss_fn)(optimizer, model, x, y, poison)[1]))
@@ -550,7 +562,7 @@ def test_check_reads_a_failure_from_the_optimizer_its_state_and_split(fused):
     step(optimizer, model, x, y, jnp.ones((), F32))   # overflow: the backoff underflows
     step(optimizer, model, x, y, jnp.zeros((), F32))  # sticky: this clean step is skipped
     assert_bit_identical(params, nnx.state(model, nnx.Param))
-    for source in holders(optimizer).values():
+    for source in lookup_holders(optimizer, model).values():
         assert bool(ls.metrics(source)["failed"])
         with pytest.raises(ls.LossScaleError, match="(?i)backoff"):
             ls.check(source)
@@ -580,3 +592,24 @@ def test_metrics_through_nnx_state_equal_the_optimizers(underflow_diagnostics):
         got = ls.metrics(source)
         assert got.keys() == expected.keys()
         assert_bit_identical(bits(expected), got)
+
+
+@pytest.mark.parametrize("has_aux, match", [
+    (True, r"has_aux=True.*pair `\(loss, aux\)`.*loss_fn returned an array of shape \(\)"),
+    (False, r"has_aux=False.*scalar loss only.*returned a tuple of 2 elements.*"
+            r"pass has_aux=True"),
+])
+@MAYBE_JIT
+def test_value_and_grad_has_aux_misuse_names_has_aux_and_the_output(has_aux, match, maybe_jit):
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = ls.nnx.Optimizer(
+        model, ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(8.0)), wrt=nnx.Param)
+
+    def loss_fn(model):
+        loss = jnp.sum(model(jnp.ones((1, 2))) ** 2)
+        return loss if has_aux else (loss, jnp.float32(3.0))   # the other one than declared
+
+    grad_fn = maybe_jit(ls.value_and_grad(loss_fn, has_aux=has_aux))
+    with pytest.raises(TypeError, match=match) as info:
+        grad_fn(optimizer, model)
+    assert "24" not in str(info.value)                         # the aux, scaled, not shown
