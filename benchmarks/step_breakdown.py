@@ -23,7 +23,7 @@ import optax
 from overhead import SCALE, make_params  # type: ignore[import-not-found]
 
 import loss_scaling as ls
-from loss_scaling import tree
+from loss_scaling.core import numerics as tree
 
 
 def boolean_leaves(grads, inverse, axis_name=None):

@@ -6,34 +6,29 @@ optimizer so that non-finite steps are skipped exactly.
 """
 
 from loss_scaling._errors import Failure, LossScaleError, LossScaleWarning
-from loss_scaling.lookup import check, get_loss_scale, metrics, nonfinite_grad_paths
-from loss_scaling.scalers import (
+from loss_scaling.checkpoint.config import check_same_config, restore_with_config
+from loss_scaling.checkpoint.flax_record import from_bytes
+from loss_scaling.checkpoint.restore import restore_loss_scale
+from loss_scaling.checkpoint.state_dict import FORMAT_VERSION, from_state_dict, state_dict
+from loss_scaling.core.scalers import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
     loss_scale_for,
-    update,
 )
-from loss_scaling.serialization import (
-    FORMAT_VERSION,
-    check_same_config,
-    from_bytes,
-    from_state_dict,
-    restore_loss_scale,
-    restore_with_config,
-    state_dict,
-)
-from loss_scaling.train_step import TrainState, value_and_grad
-from loss_scaling.transform import (
-    SUSPICIOUS_GROWTHS,
-    LossScalingState,
+from loss_scaling.core.tree import all_finite, scale, unscale
+from loss_scaling.core.update import update
+from loss_scaling.grad import value_and_grad
+from loss_scaling.integrations.linen import TrainState
+from loss_scaling.lookup import get_loss_scale
+from loss_scaling.report import check, metrics, nonfinite_grad_paths
+from loss_scaling.wrapper.state import SUSPICIOUS_GROWTHS, LossScalingState, UnderflowStats
+from loss_scaling.wrapper.transform import (
     LossScalingTransformation,
-    UnderflowStats,
     apply_gradients,
     with_loss_scaling,
 )
-from loss_scaling.tree import all_finite, scale, unscale
 
 __version__ = "0.1.0"
 
@@ -80,8 +75,8 @@ __all__ = [
 
 # Imported on first use: `import loss_scaling` never imports Orbax, flax.nnx or Equinox,
 # nor the debugging tools (loss_scaling.debug), which no training step needs.
-_LAZY = {"orbax_save_args": ("loss_scaling.orbax", "save_args"),
-         "orbax_restore": ("loss_scaling.orbax", "restore"),
+_LAZY = {"orbax_save_args": ("loss_scaling.checkpoint.orbax", "save_args"),
+         "orbax_restore": ("loss_scaling.checkpoint.orbax", "restore"),
          **{name: ("loss_scaling.debug", name) for name in (
              "find_overflow", "float16_report", "OverflowReport", "Float16Report",
              "LayerHeadroom")}}
@@ -92,7 +87,7 @@ def __getattr__(name: str) -> object:
     first use."""
     import importlib
 
-    if name in ("nnx", "equinox", "debug"):
+    if name in ("nnx", "equinox", "orbax", "debug"):
         return importlib.import_module(f"loss_scaling.{name}")
     if name in _LAZY:
         module, attribute = _LAZY[name]

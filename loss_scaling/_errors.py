@@ -8,6 +8,7 @@ every later step is skipped) and raised on the host as :class:`LossScaleError` b
 from __future__ import annotations
 
 import enum
+import reprlib
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,19 @@ class LossScaleError(RuntimeError):
     update). Under ``jit`` nothing is raised unless ``on_failure="raise"`` was chosen: the
     failure is recorded in the state and every later step is skipped.
     """
+
+    __module__ = "loss_scaling"
+
+
+class NoLossScaleFound(ValueError, LookupError):
+    """No :func:`loss_scaling.with_loss_scaling` state in the given state (a ``ValueError``
+    for callers, a ``LookupError`` by nature): lets a caller tell "none" from "several"."""
+
+    __module__ = "loss_scaling"
+
+
+class RestoreError(ValueError):
+    """A flax restore of a loss-scale state failed; the message names the state's path."""
 
     __module__ = "loss_scaling"
 
@@ -98,6 +112,29 @@ TOO_MANY_SKIPS = (
     "names the layer, op and line where the first inf/NaN appears (forward or backward); "
     "`loss_scaling.float16_report` shows whether the model fits float16 at all."
 )
+
+
+
+_repr = reprlib.Repr()
+_repr.maxstring = 60
+_repr.maxother = 60
+
+
+def show(value: Any, limit: int = 80) -> str:
+    """The one formatter of values in messages: a short repr that never fails (huge ints,
+    deep nesting, hostile ``__repr__``)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<an integer of {value.bit_length()} bits>"
+    try:
+        text = _repr.repr(value)
+    except Exception:  # repr of hostile input: the message must still be built
+        return f"<a {type(value).__name__} object>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def describe(x: Any) -> str:
+    """``x``'s type, for messages about a wrong argument."""
+    return f"an object of type {type(x).__module__}.{type(x).__qualname__}"
 
 
 def _float(x: Any) -> float:

@@ -23,8 +23,8 @@ import pytest
 from bitwise import assert_bit_identical, bits
 
 import loss_scaling as ls
-from loss_scaling import scalers as ls_scalers
-from loss_scaling import transform as ls_transform
+from loss_scaling.core import update as ls_update
+from loss_scaling.wrapper import step as ls_step
 
 NAN, INF = float("nan"), float("inf")
 
@@ -527,8 +527,8 @@ def test_noop_scale_unscale_and_update_add_no_ops_to_the_wrapper_step(monkeypatc
     noop_jaxpr = jaxpr_of(step_with(noop, True), noop)
     static_muls = jaxpr_of(step_with(static, True), static).count(" mul ")
 
-    monkeypatch.setattr(ls_transform, "_unscale", lambda grads, inverse: grads)
-    monkeypatch.setattr(ls_scalers, "update", lambda state, finite, **_: state)
+    monkeypatch.setattr(ls_step, "_unscale", lambda grads, inverse: grads)
+    monkeypatch.setattr(ls_update, "update", lambda state, finite, **_: state)
     jax.clear_caches()
     without = {"noop": compiled_ops(step_with(noop, True), noop),
                "static": compiled_ops(step_with(static, True), static)}

@@ -640,7 +640,7 @@ def test_import_loss_scaling_does_not_import_orbax():
 
 
 def test_orbax_save_args_saves_one_replica_and_refuses_replicas_that_disagree():
-    from loss_scaling.orbax import one_replica
+    from loss_scaling.checkpoint.orbax import one_replica
 
     s = ls.update(ls.DynamicLossScale(init_scale=8.0), True)
     stacked = jax.tree.map(lambda x: jnp.stack([x, x, x]), s)
@@ -944,7 +944,8 @@ def test_the_documented_list_of_configuration_checked_options_is_the_codes():
     import inspect
     import re
 
-    from loss_scaling import scalers, serialization
+    from loss_scaling.checkpoint import _values as serialization
+    from loss_scaling.core import validation as scalers
 
     page = (pathlib.Path(__file__).parent.parent / "docs" / "checkpoints.md").read_text()
     table = page.split("<!-- config-checked -->")[1].split("<!-- /config-checked -->")[0]

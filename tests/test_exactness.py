@@ -27,7 +27,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import loss_scaling as ls
-from loss_scaling import tree as ls_tree
+from loss_scaling.core import numerics as ls_tree
 
 F32 = np.finfo(np.float32)
 # Gradient and params trees in every float dtype on purpose: bfloat16 params warn at init

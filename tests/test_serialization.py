@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import loss_scaling as ls
-from loss_scaling.serialization import (
+from loss_scaling import (
     check_same_config,
     from_state_dict,
     restore_with_config,

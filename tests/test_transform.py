@@ -711,7 +711,7 @@ def test_default_scaler_and_auto_skip():
     assert isinstance(opt_state.scaler, ls.DynamicLossScale)
     assert float(opt_state.scaler.loss_scale) == 2.0**15
     assert isinstance(tx, optax.GradientTransformationExtraArgs)
-    assert tx.core.skip == "auto" and tx.core.on_failure == "record"
+    assert tx.options.skip == "auto" and tx.options.on_failure == "record"
 
 
 def test_apply_gradients_falls_back_for_other_transformations():
@@ -719,12 +719,31 @@ def test_apply_gradients_falls_back_for_other_transformations():
     tx = optax.sgd(1.0)
     new_params, _ = ls.apply_gradients(tx, jnp.array([1.0, 1.0]), tx.init(params), params)
     chex.assert_trees_all_equal(new_params, jnp.array([0.0, 1.0]))
-    # A wrapper nested in a chain: the fallback still skips via tx.update.
+    # A wrapper nested in a chain: the fallback still skips via tx.update, and says that
+    # the step lost its fused path (once per call site), naming the fix.
     chained = optax.chain(ls.with_loss_scaling(optax.sgd(1.0), ls.StaticLossScale(2.0)))
-    new_params, state = ls.apply_gradients(chained, jnp.array([NAN, 1.0]),
-                                           chained.init(params), params)
+    with pytest.warns(ls.LossScaleWarning, match="put the wrapper outermost"):
+        new_params, state = ls.apply_gradients(chained, jnp.array([NAN, 1.0]),
+                                               chained.init(params), params)
     chex.assert_trees_all_equal(new_params, params)
     assert int(ls.metrics(state)["skipped_steps"]) == 1
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda tx: optax.chain(tx),
+    lambda tx: optax.chain(optax.identity(), tx),
+    lambda tx: optax.GradientTransformationExtraArgs(tx.init, tx.update),
+])
+def test_apply_gradients_warns_when_a_wrapped_transformation_hides_the_fused_path(wrap):
+    params = jnp.array([1.0, 2.0])
+    tx = wrap(ls.with_loss_scaling(optax.sgd(1.0), ls.StaticLossScale(2.0)))
+    with pytest.warns(ls.LossScaleWarning, match="fused step"):
+        new_params, _ = ls.apply_gradients(tx, jnp.array([2.0, 2.0]), tx.init(params), params)
+    chex.assert_trees_all_equal(new_params, jnp.array([0.0, 1.0]))
+    # The wrapper outermost keeps the fused path, without a warning (errors are on).
+    outer = ls.with_loss_scaling(optax.chain(optax.identity(), optax.sgd(1.0)),
+                                 ls.StaticLossScale(2.0))
+    ls.apply_gradients(outer, jnp.array([2.0, 2.0]), outer.init(params), params)
 
 
 # ------------------------------------------------------------ the step's fixed cost

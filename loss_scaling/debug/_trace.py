@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from loss_scaling import scalers, tree
+from loss_scaling.core import scalers, tree
 from loss_scaling.debug import _interpret
 from loss_scaling.debug._interpret import Visitor, Where
 from loss_scaling.lookup import get_loss_scale

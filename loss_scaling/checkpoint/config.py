@@ -1,0 +1,187 @@
+"""Comparing a saved configuration with the target's, and adopting the target's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from loss_scaling.checkpoint._values import _USE_RESTORE_WITH_CONFIG, place_like
+from loss_scaling.checkpoint.state_dict import (
+    _build,
+    _concrete,
+    _kind,
+    _parse,
+    _static_factor,
+    state_dict,
+)
+from loss_scaling.core.scalers import DynamicLossScale, LossScale, StaticLossScale
+from loss_scaling.core.validation import (
+    DynamicConfig,
+)
+
+
+def _saved_parts(saved: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
+    return _parse(saved if isinstance(saved, Mapping) else state_dict(saved))
+
+
+def _config_differences(saved: Any, target: LossScale) -> list[str]:
+    """Every field on which ``saved`` and ``target`` disagree, as readable lines."""
+    target_kind = _kind(target)
+    if isinstance(saved, Mapping):
+        saved_kind, saved_config, _ = _parse(saved)
+    else:
+        saved_kind = _kind(saved)
+        saved_config = saved.config if isinstance(saved, DynamicLossScale) else None
+    if saved_kind != target_kind:
+        return [f"kind: saved {saved_kind!r}, target {target_kind!r}"]
+    if isinstance(target, StaticLossScale):
+        # A static factor is configuration held in a leaf: compared, never adopted silently.
+        saved_factor = (_parse(saved)[2]["loss_scale"] if isinstance(saved, Mapping)
+                        else _static_factor(saved))
+        target_factor = _static_factor(target)
+        if None not in (saved_factor, target_factor) and saved_factor != target_factor:
+            return [f"loss_scale (a StaticLossScale's factor): saved {saved_factor!r}, "
+                    f"target {target_factor!r}"]
+        return []
+    if saved_config is None or not isinstance(target, DynamicLossScale):
+        return []
+    return [
+        f"{f.name}: saved {getattr(saved_config, f.name)!r}, "
+        f"target {getattr(target.config, f.name)!r}"
+        for f in dataclasses.fields(DynamicConfig)
+        if getattr(saved_config, f.name) != getattr(target.config, f.name)
+    ]
+
+
+def check_same_config(saved: LossScale | Mapping[str, Any], target: LossScale) -> None:
+    """Raises unless ``saved`` has the same kind and configuration as ``target``.
+
+    The check a restore makes by default before it lets saved values into a freshly
+    configured run: a changed setting is an error, never adopted (or dropped) silently.
+    A ``StaticLossScale``'s factor counts as configuration (compared when ``target`` is
+    concrete: an abstract target from ``jax.eval_shape`` has no value to compare).
+
+    Args:
+      saved: the saved state, as a loss-scale state or a dict from :func:`state_dict`
+        (validated).
+      target: the freshly configured loss-scale state.
+
+    Raises:
+      ValueError: listing every differing field with both values (or if ``saved`` is an
+        invalid state dict).
+      TypeError: if ``target`` or ``saved`` is not a loss-scale state (or a dict).
+
+    Examples:
+      >>> import loss_scaling as ls
+      >>> from loss_scaling import check_same_config
+      >>> check_same_config(ls.DynamicLossScale(), ls.DynamicLossScale())
+      >>> check_same_config(ls.DynamicLossScale(),
+      ...                   ls.DynamicLossScale(growth_interval=100, min_scale=1.0))
+      Traceback (most recent call last):
+      ...
+      ValueError: the saved loss-scale configuration differs from the target's:
+        growth_interval: saved 2000, target 100
+        min_scale: saved None, target 1.0
+      ...
+      >>> check_same_config(ls.StaticLossScale(128.0), ls.StaticLossScale(1024.0))
+      Traceback (most recent call last):
+      ...
+      ValueError: the saved loss-scale configuration differs from the target's:
+        loss_scale (a StaticLossScale's factor): saved 128.0, target 1024.0
+      ...
+    """
+    differences = _config_differences(saved, target)
+    if differences:
+        raise ValueError(
+            "the saved loss-scale configuration differs from the target's:\n  "
+            + "\n  ".join(differences) + "\n" + _USE_RESTORE_WITH_CONFIG
+        )
+
+
+def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale) -> LossScale:
+    """The saved values under the target's configuration: the explicit way to adopt it.
+
+    Use it to resume a run with new loss-scale settings (say a shorter
+    ``growth_interval``) while keeping the scale and counters the run had reached. The
+    result has ``target``'s configuration and ``saved``'s ``loss_scale``; the counters are
+    clamped into the new configuration's range (``growth_tracker`` to at most
+    ``growth_interval - 1``, ``nonfinite_tracker`` to at most ``hysteresis``). The scale
+    is not clamped: one outside the target's ``[min_scale, max_scale]`` is an error.
+    ``target``'s own values are not used, with one exception: a ``StaticLossScale``'s
+    factor *is* its configuration, so the result has the target's factor (the saved one
+    when the target is abstract, e.g. from ``jax.eval_shape``, and has no value).
+
+    Args:
+      saved: the saved state, as a loss-scale state or a dict from :func:`state_dict`
+        (validated against its own configuration first).
+      target: a freshly configured state of the same kind.
+
+    Returns:
+      A new state of the target's kind and configuration.
+
+    Raises:
+      ValueError: if the kinds differ, if ``saved`` is invalid, or if the saved
+        ``loss_scale`` lies outside the target's ``[min_scale, max_scale]``.
+      TypeError: if ``target`` or ``saved`` is not a loss-scale state (or a dict).
+
+    Examples:
+      >>> import loss_scaling as ls
+      >>> from loss_scaling import restore_with_config
+      >>> saved = ls.DynamicLossScale(init_scale=256.0, growth_interval=2000)
+      >>> for _ in range(150):
+      ...     saved = ls.update(saved, True)
+      >>> s = restore_with_config(saved, ls.DynamicLossScale(growth_interval=100))
+      >>> float(s.loss_scale), int(s.growth_tracker), s.growth_interval
+      (256.0, 99, 100)
+      >>> float(ls.update(s, True).loss_scale)   # the 100th clean step grows
+      512.0
+      >>> float(restore_with_config(ls.StaticLossScale(128.0),
+      ...                           ls.StaticLossScale(1024.0)).loss_scale)
+      1024.0
+    """
+    target_kind = _kind(target)
+    kind, _, values = _saved_parts(saved)
+    if kind != target_kind:
+        raise ValueError(
+            f"kind: saved {kind!r}, target {target_kind!r}. restore_with_config keeps the "
+            "kind; to change it, build the new state from the saved scale, e.g. "
+            "`ls.StaticLossScale(float(saved.loss_scale))`."
+        )
+    if isinstance(target, StaticLossScale):
+        # The factor is the static scale's configuration: the target's wins (the saved one
+        # when the target is abstract and has none).
+        factor = _static_factor(target)
+        return _in_layout(_build(kind, None, values if factor is None
+                                 else {"loss_scale": factor}), target)
+    if not isinstance(target, DynamicLossScale):
+        return _build(kind, None, values)
+    config = target.config
+    scale = values["loss_scale"]
+    if config.min_scale is not None and scale < config.min_scale:
+        raise ValueError(
+            f"the saved loss_scale ({scale!r}) is below the target's min_scale "
+            f"({config.min_scale!r}); lower min_scale or keep the saved configuration."
+        )
+    if config.max_scale is not None and scale > config.max_scale:
+        raise ValueError(
+            f"the saved loss_scale ({scale!r}) is above the target's max_scale "
+            f"({config.max_scale!r}); raise max_scale or keep the saved configuration."
+        )
+    return _in_layout(_build("dynamic", config, {
+        "loss_scale": scale,
+        "growth_tracker": min(values["growth_tracker"], config.growth_interval - 1),
+        "nonfinite_tracker": min(values["nonfinite_tracker"], config.hysteresis),
+        "failure": values["failure"],   # sticky: a new configuration does not heal a run
+    }), target)
+
+
+def _in_layout(scaler: LossScale, target: LossScale) -> LossScale:
+    """``scaler`` (scalars) in the layout of a concrete ``target`` (replicated, sharded)."""
+    if not all(map(_concrete, jax.tree.leaves(target))):
+        return scaler
+    return jax.tree.map(place_like, scaler, target)
+

@@ -1,0 +1,316 @@
+"""FLAX_DOC"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loss_scaling._errors import Failure, show
+from loss_scaling.checkpoint._values import _F32
+from loss_scaling.checkpoint.state_dict import _concrete, _host_array
+from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from loss_scaling.wrapper.state import LossScalingState
+
+PRE_LOSS_SCALING = (
+    "{where}. Is it a checkpoint written before loss scaling was added (an fp32 run moving "
+    "to float16, its optimizer state a bare optax state)? Such a checkpoint restores with "
+    "its own structure; then start loss scaling from it by placing the old optimizer "
+    "state into the new one's inner state, e.g. `opt_state = "
+    "tx.init(params)._replace(inner_state=old_opt_state)`: see \"Starting loss scaling "
+    "from an existing checkpoint\" in docs/checkpoints.md."
+)
+
+
+# ------------------------------------------------------------------ flax.serialization
+
+_FLAX_LEAVES = {
+    NoOpLossScale: (),
+    StaticLossScale: ("loss_scale",),
+    DynamicLossScale: ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure"),
+}
+_FLAX_OPTIONAL = ("failure",)  # absent from bytes written before failures were recorded
+
+# The checked record that flax.serialization stores for a static or dynamic scaler:
+#   magic b"LSR1" | kind u8 (1 static, 2 dynamic) | ndim u8 | dims u32[ndim] |
+#   each leaf of _FLAX_LEAVES, little-endian float32 / int32, C order | crc32 u32
+# of everything before it. One msgpack `bin`: msgpack never decodes inside it, so a
+# corrupted byte of the record reaches `_flax_from_state_dict` (a ValueError naming the
+# field), and the CRC-32 refuses every 1- to 32-bit burst and all but 2**-32 of the rest:
+# a flipped bit of the scale's float32 can give another in-range scale, which no range
+# check can see.
+_RECORD_MAGIC = b"LSR1"
+_RECORD_KIND = {StaticLossScale: 1, DynamicLossScale: 2}
+_RECORD_DTYPE = {"loss_scale": np.dtype("<f4")}
+_INT_DTYPE = np.dtype("<i4")
+
+
+def _record(scaler: LossScale) -> bytes | None:
+    """The checked record of a concrete scaler; None for placeholders and tracers."""
+    names = _FLAX_LEAVES[type(scaler)]
+    leaves = [getattr(scaler, name) for name in names]
+    if not all(map(_concrete, leaves)):
+        return None
+    arrays = [_host_array(leaf) for leaf in leaves]
+    shape = arrays[0].shape
+    if any(a.shape != shape for a in arrays) or len(shape) > 255:
+        return None
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        body = b"".join(np.ascontiguousarray(a.astype(_RECORD_DTYPE.get(n, _INT_DTYPE))).tobytes()
+                        for n, a in zip(names, arrays, strict=True))
+    payload = (_RECORD_MAGIC + struct.pack("<BB", _RECORD_KIND[type(scaler)], len(shape))
+               + struct.pack(f"<{len(shape)}I", *shape) + body)
+    return payload + struct.pack("<I", zlib.crc32(payload))
+
+
+def _read_record(target: LossScale, record: bytes) -> dict[str, np.ndarray]:
+    """The named arrays of a checked record; a ValueError for anything corrupted."""
+    names = _FLAX_LEAVES[type(target)]
+    if len(record) < len(_RECORD_MAGIC) + 6 or zlib.crc32(record[:-4]) != struct.unpack(
+            "<I", record[-4:])[0]:
+        raise _flax_error(
+            f"the record of {', '.join(names)} ({len(record)} bytes) fails its CRC-32 check: "
+            "the bytes are corrupted or truncated. Restore an intact copy of the checkpoint.")
+    if record[:4] != _RECORD_MAGIC:
+        raise _flax_error(f"the record starts with {record[:4]!r}, not {_RECORD_MAGIC!r}: it "
+                          "was written by a newer or another program.")
+    kind, ndim = struct.unpack("<BB", record[4:6])
+    if kind != _RECORD_KIND[type(target)]:
+        saved = {v: k.__name__ for k, v in _RECORD_KIND.items()}.get(kind, f"kind {kind}")
+        raise _flax_error(f"the bytes hold a {saved}, the target is a {type(target).__name__}.")
+    shape = struct.unpack(f"<{ndim}I", record[6:6 + 4 * ndim])
+    count = int(np.prod(shape, dtype=np.int64))
+    if len(record) != 6 + 4 * ndim + 4 * count * len(names) + 4:
+        raise _flax_error(f"the record's length ({len(record)} bytes) does not match its "
+                          f"shape {shape}.")
+    arrays, offset = {}, 6 + 4 * ndim
+    for name in names:
+        dtype = _RECORD_DTYPE.get(name, _INT_DTYPE)
+        arrays[name] = np.frombuffer(record, dtype, count, offset).reshape(shape).astype(
+            dtype.newbyteorder("="))
+        offset += 4 * count
+    return arrays
+
+
+def _flax_to_state_dict(scaler: LossScale) -> Any:
+    if isinstance(scaler, NoOpLossScale):
+        return {}
+    record = _record(scaler)
+    if record is not None:
+        return record
+    # Placeholders (None, ShapeDtypeStruct) and tracers: the leaves by name, unchecked.
+    return {name: getattr(scaler, name) for name in _FLAX_LEAVES[type(scaler)]}
+
+
+_FLAX_ERROR = "cannot restore the loss-scale state at "
+
+
+def _flax_error(message: str) -> ValueError:
+    path = flax.serialization.current_path()
+    return ValueError(f"{_FLAX_ERROR}{path!r}: {message}")
+
+
+def _expected_shape(target_leaf: Any) -> tuple[int, ...]:
+    """The shape a restored leaf must have: the target's (its replica or device axes
+    included); a None placeholder stands for an unreplicated scalar."""
+    return () if target_leaf is None else tuple(np.shape(target_leaf))
+
+
+def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
+    """Checks a concrete restored leaf against the target's layout and configuration.
+
+    Placeholders (``None``, ``ShapeDtypeStruct``, tracers) pass through untouched into
+    a placeholder target. Anything else must be a numeric array of the target leaf's
+    shape (a ``pmap``-ed state has a leading device axis), checked elementwise.
+    """
+    target_leaf = getattr(target, name, None)
+    if value is None or isinstance(value, (jax.ShapeDtypeStruct, jax.core.Tracer)):
+        if _concrete(target_leaf):
+            raise _flax_error(f"{name} is {show(value)}, not a value: the saved state was a "
+                              "placeholder (e.g. from jax.eval_shape).")
+        return value
+    try:
+        array = np.asarray(value)
+    except Exception:  # ragged lists and other junk: still a ValueError
+        raise _flax_error(f"{name} must be an array, got {show(value)}.") from None
+    integer = name != "loss_scale"
+    if array.dtype.kind not in ("iu" if integer else "f"):
+        raise _flax_error(
+            f"{name} must be {'an integer' if integer else 'a floating'} array, got "
+            f"{show(value)} of dtype {array.dtype}.")
+    expected = _expected_shape(target_leaf)
+    if array.shape != expected:
+        raise _flax_error(
+            f"{name} has shape {array.shape}, the target's has shape {expected}: restore into "
+            "a target of the saved layout (a pmap-replicated state has a leading device "
+            "axis: replicate the target with flax.jax_utils.replicate, or save one replica).")
+    dtype = np.int32 if integer else np.float32
+    if integer:
+        assert isinstance(target, DynamicLossScale)  # the only kind with integer leaves
+        config = target.config
+        high = {"growth_tracker": config.growth_interval - 1,
+                "nonfinite_tracker": config.hysteresis}.get(name, max(Failure))
+        if not (array.min(initial=0) >= 0 and array.max(initial=0) <= high):
+            raise _flax_error(
+                f"{name} must lie in [0, {high}] for the target's configuration, got "
+                f"{show(value)}. If the saved configuration differs, restore the saved "
+                "state with its own configuration and adopt the new one with "
+                "`loss_scaling.restore_with_config`.")
+    else:
+        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+            as_f32 = array.astype(np.float32)
+        low = float(_F32.tiny)
+        high_scale = float(_F32.max)
+        if isinstance(target, DynamicLossScale):
+            low = max(low, target.min_scale or low)
+            high_scale = min(high_scale, target.max_scale or high_scale)
+        if not np.all(np.isfinite(as_f32) & (as_f32 >= low) & (as_f32 <= high_scale)):
+            raise _flax_error(
+                f"loss_scale must be a finite, positive, normal float32 in [{low!r}, "
+                f"{high_scale!r}] (the target's range), got {show(value)}.")
+        if isinstance(target, StaticLossScale) and _concrete(target_leaf):
+            configured = _host_array(target_leaf).astype(np.float32)
+            if not np.array_equal(as_f32, configured):
+                raise _flax_error(
+                    f"loss_scale: saved {show(as_f32.tolist())}, the target's "
+                    f"StaticLossScale factor is {show(configured.tolist())}. A static "
+                    "factor is configuration: build the target with the saved factor, or "
+                    "restore into a placeholder (`jax.tree.map(lambda _: None, target)`) and "
+                    "adopt the new one with `loss_scaling.restore_with_config`.")
+    if isinstance(value, jax.Array) and value.dtype == dtype:
+        return value
+    return jnp.asarray(array.astype(dtype))
+
+
+def _flax_from_state_dict(target: LossScale, state: Any) -> LossScale:
+    try:
+        return _flax_restore(target, state)
+    except Exception as error:  # hostile state: still a ValueError that names the path
+        if isinstance(error, ValueError) and str(error).startswith(_FLAX_ERROR):
+            raise
+        raise _flax_error(f"{type(error).__name__}: {show(str(error))}") from None
+
+
+def _flax_restore(target: LossScale, state: Any) -> LossScale:
+    names = _FLAX_LEAVES[type(target)]
+    if isinstance(state, (bytes, bytearray, memoryview)) and names:
+        state = _read_record(target, bytes(state))
+    elif names and isinstance(state, Mapping) and set(names) - set(state) <= set(_FLAX_OPTIONAL):
+        # Bytes written before the checked record (no CRC: the values are range-checked).
+        if "failure" in names and "failure" not in state:
+            shape = np.shape(np.asarray(state.get("loss_scale", 0)))
+            state = {"failure": np.zeros(shape, np.int32), **state}
+    if not isinstance(state, Mapping) or set(state) != set(names):
+        got = sorted(map(show, state)) if isinstance(state, Mapping) else show(state)
+        raise _flax_error(f"expected {'the checked record of' if names else 'a dict with'} "
+                          f"the keys {list(names)}, got {got}.")
+    leaves = [_flax_leaf(target, name, state[name]) for name in names]
+    # Every child of the target counts as one leaf, whatever it holds (even None).
+    treedef = jax.tree.structure(target, is_leaf=lambda x: x is not target)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _state_key(key: Any) -> str:
+    """The key flax's state dict has for one step of a jax key path."""
+    return str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
+
+
+def _bare_optimizer_states(target: Any, state: Any) -> list[str]:
+    """Paths where ``target`` has a ``LossScalingState`` but the decoded ``state`` holds
+    a mapping without its ``scaler`` / ``inner_state`` fields (a checkpoint of the bare
+    inner optimizer, saved before loss scaling was added)."""
+    def is_wrapper(x: Any) -> bool:
+        return isinstance(x, LossScalingState)
+
+    bare = []
+    for path, node in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_wrapper)[0]:
+        if not is_wrapper(node):
+            continue
+        saved = state
+        for key in path:
+            saved = saved.get(_state_key(key)) if isinstance(saved, Mapping) else None
+        if isinstance(saved, Mapping) and not {"scaler", "inner_state"} & set(saved):
+            bare.append("./" + "/".join(_state_key(k) for k in path))
+    return bare
+
+
+def from_bytes(target: Any, encoded: bytes) -> Any:
+    """``flax.serialization.from_bytes``, with every failure a ``ValueError``.
+
+    ``flax.serialization.from_bytes`` decodes the whole message with msgpack before any
+    restore hook runs: truncated bytes, or a corrupted byte of msgpack's own framing,
+    raise there (msgpack's ``ValueError`` / ``ExtraData``, or a ``TypeError`` or
+    ``UnicodeDecodeError`` from flax's array decoding) and name no field. This function
+    turns those into a ``ValueError`` that names the loss-scale states of ``target``, so
+    that a caller can handle corrupted checkpoints with one ``except ValueError``. A
+    corrupted loss-scale record itself is refused (CRC-32) by either function.
+
+    Args:
+      target: the restore target, as for ``flax.serialization.from_bytes``.
+      encoded: bytes from ``flax.serialization.to_bytes``.
+
+    Returns:
+      ``target`` with the restored values.
+
+    Raises:
+      ValueError: for anything that does not restore into ``target``: undecodable bytes,
+        another structure, a corrupted loss-scale record or invalid values.
+
+    Examples:
+      >>> import flax.serialization
+      >>> import loss_scaling as ls
+      >>> from loss_scaling import from_bytes
+      >>> s = ls.update(ls.DynamicLossScale(init_scale=256.0), False)
+      >>> data = flax.serialization.to_bytes({"scaler": s})
+      >>> float(from_bytes({"scaler": ls.DynamicLossScale()}, data)["scaler"].loss_scale)
+      128.0
+      >>> from_bytes({"scaler": ls.DynamicLossScale()}, data[:-1])
+      Traceback (most recent call last):
+      ...
+      ValueError: cannot decode the bytes for the loss-scale state at './scaler': ...
+    """
+    def is_scaler(x: Any) -> bool:
+        return isinstance(x, (NoOpLossScale, StaticLossScale, DynamicLossScale))
+
+    paths = [
+        "./" + "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                        for k in path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_scaler)[0]
+        if is_scaler(_)]
+    where = (f"the loss-scale state at {', '.join(map(repr, paths))}" if paths
+             else "a target holding no loss scale")
+    try:
+        state = flax.serialization.msgpack_restore(encoded)
+    except Exception as error:
+        raise ValueError(
+            f"cannot decode the bytes for {where}: msgpack says {type(error).__name__}: "
+            f"{show(str(error))}. They are truncated or corrupted: restore an intact copy."
+        ) from None
+    bare = _bare_optimizer_states(target, state)
+    if bare:
+        raise ValueError(PRE_LOSS_SCALING.format(
+            where=f"the bytes hold no loss-scale state at {', '.join(map(repr, bare))}, where "
+                  "the target has a with_loss_scaling state"))
+    try:
+        return flax.serialization.from_state_dict(target, state)
+    except ValueError as error:
+        if str(error).startswith(_FLAX_ERROR):
+            raise  # ours, naming the field
+        raise ValueError(f"cannot restore {where}: the decoded bytes do not match the "
+                         f"target's structure ({error}).") from None
+    except Exception as error:
+        raise ValueError(
+            f"cannot restore {where}: the decoded bytes do not match the target's "
+            f"structure ({type(error).__name__}: {show(str(error))}).") from None
+
+
+for _cls in _FLAX_LEAVES:
+    # override=True: re-importing (or reloading) this module must not fail.
+    flax.serialization.register_serialization_state(
+        _cls, _flax_to_state_dict, _flax_from_state_dict, override=True)

@@ -1,0 +1,257 @@
+"""Orbax checkpoints that keep the loss scale's configuration and check it on restore.
+
+Orbax saves the loss scale's *values* (they are leaves) but not its configuration
+(``growth_interval`` etc. are static pytree data, taken from the restore target), and it
+checks nothing: a corrupted array restores as whatever it holds. :func:`save_args` saves
+the state with ``ocp.args.StandardSave`` and, beside it, :func:`loss_scaling.state_dict`
+of its loss scale as JSON; :func:`restore` restores both and refuses, with a
+``ValueError`` naming the field:
+
+* a configuration that differs from the saved one (unless ``adopt_config=True``), a
+  ``StaticLossScale`` factor included when the target is concrete;
+* a saved loss scale that is invalid (the JSON is validated as :func:`from_state_dict`
+  validates);
+* arrays that disagree with the JSON (one of the two copies is corrupted).
+
+Both are built on Orbax's own API (``ocp.args.Composite`` items for a
+``CheckpointManager``), so async saves, ``wait_until_finished`` and multi-host runs work as
+they do for any Orbax item: the JSON is written once, by the primary host. This module
+imports Orbax; ``import loss_scaling`` does not (``ls.orbax_save_args`` and
+``ls.orbax_restore`` import it on first use).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from loss_scaling._errors import show
+from loss_scaling.checkpoint.flax_record import PRE_LOSS_SCALING
+from loss_scaling.checkpoint.restore import replace_loss_scale, resolve
+from loss_scaling.checkpoint.state_dict import _host_array, from_state_dict, state_dict
+from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from loss_scaling.lookup import get_loss_scale
+
+__all__ = ["LOSS_SCALE_ITEM", "STATE_ITEM", "restore", "save_args"]
+
+STATE_ITEM = "state"
+"""The Composite item that holds the state's arrays (``ocp.args.StandardSave``)."""
+LOSS_SCALE_ITEM = "loss_scale"
+"""The Composite item that holds :func:`loss_scaling.state_dict` of its loss scale (JSON)."""
+
+
+def one_replica(scaler: LossScale) -> LossScale:
+    """The scaler of a ``pmap``-replicated state (leading device axes) as one scalar state.
+
+    Raises a ValueError if the replicas disagree (a run without ``axis_name``).
+    """
+    leaves, treedef = jax.tree.flatten(scaler)
+    single = []
+    for name, leaf in zip(("loss_scale", "growth_tracker", "nonfinite_tracker", "failure"),
+                          leaves, strict=False):
+        host = _host_array(leaf)
+        as_bits = host.view(f"u{host.dtype.itemsize}")   # bitwise: a NaN equals itself
+        if host.shape != () and not (as_bits == as_bits.flat[0]).all():
+            raise ValueError(
+                f"the replicas of the loss scale disagree: {name} is {host.tolist()}. Replicas "
+                "agree when the wrapper reduces over the devices (axis_name=...).")
+        single.append(host.reshape(-1)[0] if host.shape != () else host)
+    return jax.tree.unflatten(treedef, [np.asarray(x) for x in single])
+
+
+def _entry(state: Any, path: str | None) -> Any:
+    """The key of the entry of a dict that holds the loss scale, when ``state`` itself
+    is not searchable as a whole: ``{"model": nnx.state(model), "optimizer":
+    nnx.state(optimizer)}``. None when ``get_loss_scale(state, path)`` finds it."""
+    try:
+        get_loss_scale(state, path)
+        return None
+    except (ValueError, TypeError) as error:
+        if not isinstance(state, Mapping):
+            raise
+        keys = []
+        for key, value in state.items():
+            try:
+                get_loss_scale(value, path)
+                keys.append(key)
+            except (ValueError, TypeError):
+                pass
+        if len(keys) != 1:
+            raise error from None
+        return keys[0]
+
+
+def _get(state: Any, key: Any, path: str | None) -> LossScale:
+    return get_loss_scale(state if key is None else state[key], path)
+
+
+def save_args(state: Any, *, path: str | None = None, **items: Any) -> ocp.args.Composite:
+    """The ``args`` for ``CheckpointManager.save``: the state and its loss scale's JSON.
+
+    Args:
+      state: any pytree holding one loss scale: a flax or ``ls.TrainState``, a
+        ``{"params", "opt_state"}`` dict, ``nnx.state(optimizer)`` of a
+        ``loss_scaling.nnx.Optimizer`` or a dict holding it (``{"model":
+        nnx.state(model), "optimizer": nnx.state(optimizer)}``); replicated (``pmap``)
+        or sharded.
+      path: which loss scale, when ``state`` holds several (as for
+        :func:`loss_scaling.get_loss_scale`).
+      **items: more Composite items to save alongside (e.g. a dataset iterator).
+
+    Returns:
+      ``ocp.args.Composite(state=StandardSave(state), loss_scale=JsonSave(...), **items)``.
+
+    Raises:
+      ValueError: if ``state`` holds no loss scale (or several and ``path`` picks none),
+        or its loss scale is invalid or its replicas disagree.
+
+    Examples:
+      >>> import tempfile, jax, jax.numpy as jnp, optax
+      >>> import orbax.checkpoint as ocp
+      >>> import loss_scaling as ls
+      >>> def make_state():
+      ...     tx = ls.with_loss_scaling(optax.sgd(0.1), ls.DynamicLossScale(init_scale=256.0))
+      ...     return {"params": jnp.ones(2), "opt_state": tx.init(jnp.ones(2))}
+      >>> with ocp.CheckpointManager(tempfile.mkdtemp()) as mngr:
+      ...     mngr.save(0, args=ls.orbax_save_args(make_state()))
+      ...     mngr.wait_until_finished()
+      ...     state = ls.orbax_restore(mngr, jax.eval_shape(make_state))
+      True
+      >>> float(ls.get_loss_scale(state["opt_state"]).loss_scale)
+      256.0
+    """
+    saved = state_dict(one_replica(_get(state, _entry(state, path), path)))
+    return ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(state),
+                                 LOSS_SCALE_ITEM: ocp.args.JsonSave(saved), **items})
+
+
+def _values(scaler: LossScale) -> dict[str, Any]:
+    names = {NoOpLossScale: (), StaticLossScale: ("loss_scale",),
+             DynamicLossScale: ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure")}
+    return {name: _host_array(getattr(scaler, name))
+            for name in names[type(scaler)]}
+
+
+def _saved_items(mngr: ocp.CheckpointManager, step: int) -> list[str] | None:
+    """The names of the items saved at ``step`` (``["default"]`` for a single unnamed
+    item); None when Orbax cannot say."""
+    try:
+        metadata = mngr.item_metadata(step)
+    except Exception:
+        return None
+    if any(c.__name__ == "Composite" for c in type(metadata).__mro__):  # named items
+        return sorted(k for k in metadata.keys())
+    return ["default"]
+
+
+def _in_own_dtypes(abstract_state: Any, scaler: LossScale) -> Any:
+    """``abstract_state`` with the scaler's leaves asking for their own dtypes.
+
+    A common Orbax idiom restores every float leaf in bfloat16 (a target built with
+    ``jax.tree.map(lambda x: x.astype(jnp.bfloat16), ...)``): the loss scale is float32
+    and its counters int32 whatever the target says, as the library builds and saves
+    them, so that the arrays can be compared bit for bit with the JSON. The leaves are
+    found by identity (``get_loss_scale`` returns the target's own leaf objects).
+    """
+    names = {NoOpLossScale: (), StaticLossScale: ("loss_scale",),
+             DynamicLossScale: ("loss_scale", "growth_tracker", "nonfinite_tracker",
+                                "failure")}[type(scaler)]
+    wanted = {id(getattr(scaler, name)): np.dtype(np.float32 if name == "loss_scale"
+                                                  else np.int32) for name in names}
+
+    def own_dtype(leaf: Any) -> Any:
+        dtype = wanted.get(id(leaf))
+        if dtype is None or getattr(leaf, "dtype", None) == dtype:
+            return leaf
+        return jax.ShapeDtypeStruct(np.shape(leaf), dtype,
+                                    sharding=getattr(leaf, "sharding", None))
+
+    return jax.tree.map(own_dtype, abstract_state)
+
+
+def restore(
+    mngr: ocp.CheckpointManager,
+    abstract_state: Any,
+    *,
+    step: int | None = None,
+    adopt_config: bool = False,
+    path: str | None = None,
+) -> Any:
+    """Restores a state saved with :func:`save_args`, its loss scale checked.
+
+    Args:
+      mngr: the ``ocp.CheckpointManager``.
+      abstract_state: the restore target, built from scratch on resume:
+        ``jax.eval_shape(make_state)``, ``nnx.state`` of an abstract optimizer, a
+        replicated or sharded ``ShapeDtypeStruct`` tree, or a concrete fresh state. Its
+        configuration is the one the result has. A ``StaticLossScale`` factor can be
+        compared only with a concrete target (an abstract one carries no value).
+      step: the step to restore; the latest by default.
+      adopt_config: keep the target's configuration when it differs from the saved one
+        (the saved scale and counters, :func:`loss_scaling.restore_with_config`).
+      path: which loss scale, as for :func:`loss_scaling.get_loss_scale`.
+
+    Returns:
+      The restored state: the target's structure, layout and configuration, the saved
+      values.
+
+    Raises:
+      ValueError: naming the field, if the configuration differs (unless
+        ``adopt_config``), if the saved loss scale is missing, unreadable or invalid, if
+        the arrays disagree with the JSON, or if there is no checkpoint. Orbax's own
+        errors (a missing or unreadable array file) pass through.
+    """
+    if step is None:
+        step = mngr.latest_step()
+        if step is None:
+            raise ValueError(f"no checkpoint to restore in {mngr.directory}.")
+    try:
+        saved = mngr.restore(step, args=ocp.args.Composite(
+            **{LOSS_SCALE_ITEM: ocp.args.JsonRestore()}))[LOSS_SCALE_ITEM]
+    except Exception as error:
+        items = _saved_items(mngr, step)
+        if items is not None and LOSS_SCALE_ITEM not in items:
+            raise ValueError(PRE_LOSS_SCALING.format(
+                where=f"the loss-scale item {LOSS_SCALE_ITEM!r} of step {step} is missing "
+                      f"from {mngr.directory} (the step's items: "
+                      f"{', '.join(map(repr, items))}): it was not saved with "
+                      "`loss_scaling.orbax_save_args`")) from None
+        raise ValueError(
+            f"the loss-scale item {LOSS_SCALE_ITEM!r} of step {step} cannot be read "
+            f"({type(error).__name__}: {show(str(error))}): was it saved with "
+            "loss_scaling.orbax_save_args, and is the checkpoint intact?") from None
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"the loss-scale item of step {step} is not a state dict: "
+                         f"{show(saved)}.")
+    saved_scaler = from_state_dict(saved)  # validated
+    # Checked against the target before anything is restored; a concrete target's static
+    # factor is compared too (after the restore, the state holds the saved one).
+    key = _entry(abstract_state, path)
+    new = resolve(saved, _get(abstract_state, key, path),
+                                adopt_config=adopt_config)
+    target = _in_own_dtypes(abstract_state, _get(abstract_state, key, path))
+    restored = mngr.restore(step, args=ocp.args.Composite(
+        **{STATE_ITEM: ocp.args.StandardRestore(target)}))[STATE_ITEM]
+    arrays = _values(_get(restored, key, path))
+    for name, expected in _values(saved_scaler).items():
+        got = arrays[name]
+        same = got.dtype == expected.dtype and (
+            got.view(np.uint8 if got.dtype.itemsize == 1 else f"u{got.dtype.itemsize}")
+            == expected.view(f"u{expected.dtype.itemsize}")).all()
+        if got.dtype != expected.dtype:  # _in_own_dtypes asked for the saved dtype
+            raise ValueError(
+                f"the arrays of step {step} hold the loss scale's {name} as {got.dtype}, "
+                f"saved as {expected.dtype}: restore it in {expected.dtype} (the restore "
+                "target's leaf for it must have that dtype).")
+        if not same:
+            raise ValueError(
+                f"the checkpoint of step {step} is corrupted: its arrays say {name} "
+                f"{show(got.tolist())}, its loss-scale JSON says "
+                f"{expected.item()!r}. Restore an intact copy.")
+    if key is None:
+        return replace_loss_scale(restored, new, path)
+    return {**restored, key: replace_loss_scale(restored[key], new, path)}

@@ -1,0 +1,290 @@
+"""The JSON-compatible state-dict format: :func:`state_dict` and :func:`from_state_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loss_scaling._errors import Failure, show
+from loss_scaling.checkpoint._values import (
+    _CONFIG_KEYS,
+    _INVALID,
+    _KIND_OF_TYPE,
+    _TOP_KEYS,
+    _VALUE_KEYS,
+    FORMAT_VERSION,
+    _exact_float32,
+    _in_range,
+    _integer,
+    _mapping,
+    _number,
+    _prefixed,
+    _scale,
+)
+from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from loss_scaling.core.validation import (
+    DynamicConfig,
+    positive_int32,
+    validate_dynamic_config,
+)
+
+
+def _parse(d: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
+    """Validates a state dict; returns its kind, its config (dynamic only) and values."""
+    d = _mapping(None, d, _TOP_KEYS)
+    version = d["format_version"]
+    if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)):
+        raise ValueError(
+            f"{_INVALID}format_version must be the integer {FORMAT_VERSION}, got "
+            f"{show(version)} of type {type(version).__name__}."
+        )
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"{_INVALID}unsupported format_version {show(version)}: this version of "
+            f"loss_scaling reads format_version {FORMAT_VERSION}."
+        )
+    kind = d["kind"]
+    if not isinstance(kind, str) or kind not in _CONFIG_KEYS:
+        raise ValueError(
+            f"{_INVALID}unknown kind {show(kind)}: expected one of {list(_CONFIG_KEYS)}."
+        )
+    raw_config = _mapping("config", d["config"], _CONFIG_KEYS[kind])
+    raw_values = _mapping("values", d["values"], _VALUE_KEYS[kind],
+                          optional=("failure",) if kind == "dynamic" else ())
+    if kind == "noop":
+        return kind, None, {}
+    loss_scale = _scale("values.loss_scale", raw_values["loss_scale"])
+    if kind == "static":
+        return kind, None, {"loss_scale": loss_scale}
+
+    # Each field on its own first, so that the message names the one at fault.
+    factors = {k: _exact_float32(f"config.{k}", _number(f"config.{k}", raw_config[k]))
+               for k in ("growth_factor", "backoff_factor")}
+    ints = {}
+    for k in ("growth_interval", "hysteresis"):
+        try:
+            ints[k] = positive_int32(f"config.{k}", _integer(f"config.{k}", raw_config[k]))
+        except ValueError as error:
+            raise ValueError(_prefixed(error)) from None
+    bounds = {k: None if raw_config[k] is None else _scale(f"config.{k}", raw_config[k])
+              for k in ("min_scale", "max_scale")}
+    if bounds["min_scale"] is not None and loss_scale < bounds["min_scale"]:
+        raise ValueError(
+            f"{_INVALID}values.loss_scale ({loss_scale!r}) is below config.min_scale "
+            f"({bounds['min_scale']!r})."
+        )
+    if bounds["max_scale"] is not None and loss_scale > bounds["max_scale"]:
+        raise ValueError(
+            f"{_INVALID}values.loss_scale ({loss_scale!r}) is above config.max_scale "
+            f"({bounds['max_scale']!r})."
+        )
+    try:
+        config, loss_scale = validate_dynamic_config(
+            init_scale=loss_scale, **factors, **ints, **bounds)
+    except ValueError as error:  # names the argument (growth_factor, backoff_factor)
+        raise ValueError(f"{_INVALID}config.{error}") from None
+    growth_tracker = _in_range(
+        "values.growth_tracker",
+        _integer("values.growth_tracker", raw_values["growth_tracker"]),
+        0, config.growth_interval - 1, "config.growth_interval - 1")
+    nonfinite_tracker = _in_range(
+        "values.nonfinite_tracker",
+        _integer("values.nonfinite_tracker", raw_values["nonfinite_tracker"]),
+        0, config.hysteresis, "config.hysteresis")
+    failure = _in_range(
+        "values.failure", _integer("values.failure", raw_values.get("failure", 0)),
+        0, max(Failure), "the largest loss_scaling.Failure code")
+    return kind, config, {
+        "loss_scale": loss_scale,
+        "growth_tracker": growth_tracker,
+        "nonfinite_tracker": nonfinite_tracker,
+        "failure": failure,
+    }
+
+
+def _build(kind: str, config: DynamicConfig | None, values: dict[str, Any]) -> LossScale:
+    if kind == "noop":
+        return NoOpLossScale()
+    if kind == "static":
+        return StaticLossScale(values["loss_scale"])
+    assert config is not None
+    return DynamicLossScale._from_parts(config, (
+        jnp.asarray(values["loss_scale"], jnp.float32),
+        jnp.asarray(values["growth_tracker"], jnp.int32),
+        jnp.asarray(values["nonfinite_tracker"], jnp.int32),
+        jnp.asarray(values.get("failure", 0), jnp.int32),
+    ))
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _kind(scaler: Any) -> str:
+    kind = _KIND_OF_TYPE.get(type(scaler))
+    if kind is None:
+        raise TypeError(
+            "expected a NoOpLossScale, StaticLossScale or DynamicLossScale, got "
+            f"{show(scaler)} of type {type(scaler).__name__}."
+        )
+    return kind
+
+
+def _host_array(leaf: Any) -> np.ndarray:
+    """A concrete leaf on the host; a replicated array that spans other hosts' devices
+    (multi-host ``NamedSharding``) is read from this host's own copy."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        if not leaf.is_fully_replicated:
+            raise ValueError(
+                f"a loss-scale leaf of shape {leaf.shape} is sharded across hosts: the loss "
+                "scale must be replicated (it is, unless placed otherwise by hand).")
+        return np.asarray(leaf.addressable_data(0))
+    return np.asarray(leaf)
+
+
+def _concrete(leaf: Any) -> bool:
+    return leaf is not None and not isinstance(
+        leaf, (jax.ShapeDtypeStruct, jax.core.Tracer)) and hasattr(leaf, "shape")
+
+
+def _static_factor(scaler: StaticLossScale) -> float | None:
+    """The factor of a concrete static scaler (one value, replicated or not); None for a
+    placeholder (an abstract target carries no factor)."""
+    if not _concrete(scaler.loss_scale):
+        return None
+    values = np.unique(_host_array(scaler.loss_scale).astype(np.float32))
+    if values.size != 1:
+        raise ValueError(
+            f"the StaticLossScale's replicas disagree: loss_scale {show(values.tolist())}.")
+    return float(values[0])
+
+
+def _read(name: str, leaf: Any, integer: bool) -> float | int:
+    """A scalar leaf as a Python number; refuses tracers and non-scalars."""
+    if isinstance(leaf, jax.core.Tracer):
+        raise ValueError(
+            f"state_dict needs concrete values, but {name} is a traced value {leaf!r}: call "
+            "it outside jit/grad/vmap, on the state a compiled step returned."
+        )
+    array = _host_array(leaf)
+    if array.shape != ():
+        raise ValueError(
+            f"state_dict needs scalar values, but {name} has shape {array.shape}. A "
+            "replicated state (pmap) has a leading device axis: save one replica, e.g. "
+            "`jax.tree.map(lambda x: x[0], scaler)`."
+        )
+    kinds = "iu" if integer else "f"
+    if array.dtype.kind not in kinds:
+        raise ValueError(
+            f"state_dict needs {'an integer' if integer else 'a floating'} {name}, got "
+            f"dtype {array.dtype}."
+        )
+    if integer:
+        return int(array)
+    with np.errstate(over="ignore", under="ignore"):
+        return float(array.astype(np.float32))
+
+
+def state_dict(scaler: LossScale) -> dict[str, Any]:
+    """A loss-scale state as a plain, JSON-compatible dict.
+
+    ``{"format_version": 1, "kind": ..., "config": {...}, "values": {...}}`` holding only
+    str, int, float and None: ``kind`` is ``"noop"``, ``"static"`` or ``"dynamic"``;
+    for ``"dynamic"``, ``config`` has every constructor setting but ``init_scale`` and
+    ``values`` has ``loss_scale`` (float), ``growth_tracker`` and ``nonfinite_tracker``
+    (int). Floats are float32 values, so ``json.dumps`` / ``json.loads`` round trips are
+    bit-exact.
+
+    The state is checked as :func:`from_state_dict` would check it, so a dict that cannot
+    be restored is never written.
+
+    Args:
+      scaler: a ``NoOpLossScale``, ``StaticLossScale`` or ``DynamicLossScale`` with
+        concrete scalar values (not inside ``jit``; one replica of a ``pmap``-ed state).
+
+    Returns:
+      A new dict.
+
+    Raises:
+      ValueError: if a value is traced, not a scalar, or invalid (e.g. a NaN scale).
+      TypeError: if ``scaler`` is not a loss-scale state.
+
+    Examples:
+      >>> import json
+      >>> import loss_scaling as ls
+      >>> from loss_scaling import state_dict, from_state_dict
+      >>> s = ls.update(ls.DynamicLossScale(init_scale=1024.0, growth_interval=100), True)
+      >>> d = state_dict(s)
+      >>> d["kind"], d["values"]
+      ('dynamic', {'loss_scale': 1024.0, 'growth_tracker': 1, 'nonfinite_tracker': 0})
+      >>> d["config"]["growth_interval"]
+      100
+      >>> restored = from_state_dict(json.loads(json.dumps(d)))
+      >>> float(restored.loss_scale), int(restored.growth_tracker)
+      (1024.0, 1)
+      >>> state_dict(ls.StaticLossScale(128.0))
+      {'format_version': 1, 'kind': 'static', 'config': {}, 'values': {'loss_scale': 128.0}}
+    """
+    kind = _kind(scaler)
+    config: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    if isinstance(scaler, StaticLossScale):
+        values["loss_scale"] = _read("loss_scale", scaler.loss_scale, integer=False)
+    elif isinstance(scaler, DynamicLossScale):
+        config = dataclasses.asdict(scaler.config)
+        values["loss_scale"] = _read("loss_scale", scaler.loss_scale, integer=False)
+        for name in ("growth_tracker", "nonfinite_tracker"):
+            values[name] = _read(name, getattr(scaler, name), integer=True)
+        failure = _read("failure", scaler.failure, integer=True)
+        if failure:  # written only when set: a healthy state's dict is unchanged
+            values["failure"] = failure
+    d = {"format_version": FORMAT_VERSION, "kind": kind, "config": config, "values": values}
+    _parse(d)
+    return d
+
+
+def from_state_dict(d: Any) -> LossScale:
+    """Rebuilds a loss-scale state from a dict made by :func:`state_dict`.
+
+    The dict is validated as construction validates its arguments, and more: exactly the
+    expected keys at every level, the expected types (ints are accepted where floats are
+    expected, bools never), a known ``format_version`` and ``kind``, a valid
+    configuration, a finite, positive, normal float32 ``loss_scale`` inside
+    ``[min_scale, max_scale]``, ``0 <= growth_tracker < growth_interval`` and
+    ``0 <= nonfinite_tracker <= hysteresis``. Every float (the scale, the factors and the
+    bounds) must be a float32 value exactly, as :func:`state_dict` writes it: a
+    hand-written ``16777217.0`` is refused (naming float32's neighbours 16777216 and
+    16777218), never rounded silently.
+
+    Args:
+      d: the dict (e.g. from ``json.loads``).
+
+    Returns:
+      A ``NoOpLossScale``, ``StaticLossScale`` or ``DynamicLossScale`` whose leaves are
+      float32 / int32 scalar arrays.
+
+    Raises:
+      ValueError: naming the field at fault, for anything that is not a valid state dict.
+        No other exception escapes for any JSON-like ``d`` (dicts, lists, strings,
+        numbers, bools and None, however nested or large).
+
+    Examples:
+      >>> from loss_scaling import from_state_dict
+      >>> d = {"format_version": 1, "kind": "static", "config": {},
+      ...      "values": {"loss_scale": 1024}}
+      >>> from_state_dict(d)
+      StaticLossScale(loss_scale=Array(1024., dtype=float32))
+      >>> d["values"]["loss_scale"] = float("nan")
+      >>> from_state_dict(d)
+      Traceback (most recent call last):
+      ...
+      ValueError: invalid loss-scale state dict: values.loss_scale must be a finite, ...
+    """
+    return _build(*_parse(d))
+
+
+# -------------------------------------------------------------------- config changes

@@ -1,0 +1,323 @@
+"""The three loss-scale states and their update rule.
+
+Each state is an immutable pytree. The values that change during training are leaves
+(``loss_scale`` float32, ``growth_tracker`` and ``nonfinite_tracker`` int32); the
+configuration is static auxiliary data. Constructing a state from Python values validates
+it; flattening and unflattening never do, so tree maps to ``None``, ``ShapeDtypeStruct``
+or ``PartitionSpec``, Orbax and ``flax.serialization`` all work, and a state passed
+through ``jax.jit`` keeps every setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+from jax.tree_util import GetAttrKey
+
+from loss_scaling._errors import show
+from loss_scaling.core.validation import (
+    DynamicConfig,
+    positive_normal_float32,
+    validate_dynamic_config,
+)
+
+__all__ = [
+    "DynamicLossScale",
+    "LossScale",
+    "loss_scale_for",
+    "NoOpLossScale",
+    "StaticLossScale",
+]
+
+
+# ------------------------------------------------------------------------------ states
+
+
+def _frozen_setattr(self: Any, name: str, value: Any) -> None:
+    raise dataclasses.FrozenInstanceError(
+        f"{type(self).__name__} is immutable: cannot assign {name!r}. Use "
+        "`loss_scaling.update` to get the next state."
+    )
+
+
+def _frozen_delattr(self: Any, name: str) -> None:
+    raise dataclasses.FrozenInstanceError(
+        f"{type(self).__name__} is immutable: cannot delete {name!r}."
+    )
+
+
+class NoOpLossScale:
+    """No loss scaling: the factor is 1 and every operation is the identity.
+
+    The right choice for bfloat16 and float32 compute. It has no leaves, so
+    ``scale`` / ``unscale`` / ``update`` add no operation to a compiled step.
+
+    Examples:
+      >>> import loss_scaling as ls
+      >>> s = ls.NoOpLossScale()
+      >>> float(s.loss_scale)
+      1.0
+      >>> ls.update(s, False) is s
+      True
+    """
+
+    __slots__ = ()
+    __setattr__ = _frozen_setattr
+    __delattr__ = _frozen_delattr
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        """The factor, always 1.0 (float32)."""
+        return jnp.ones((), jnp.float32)
+
+    def __repr__(self) -> str:
+        return "NoOpLossScale()"
+
+
+class StaticLossScale:
+    """A fixed loss scale.
+
+    The factor is a leaf, not static data, so a new value does not recompile a step.
+
+    Args:
+      loss_scale: the factor; a finite, positive, normal float32.
+
+    Raises:
+      ValueError: if ``loss_scale`` is not a positive normal float32.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import loss_scaling as ls
+      >>> s = ls.StaticLossScale(128.0)
+      >>> ls.scale(s, jnp.float32(0.5))
+      Array(64., dtype=float32)
+      >>> float(ls.update(s, False).loss_scale)
+      128.0
+    """
+
+    __slots__ = ("loss_scale",)
+    __setattr__ = _frozen_setattr
+    __delattr__ = _frozen_delattr
+    loss_scale: jax.Array
+
+    def __init__(self, loss_scale: float) -> None:
+        value = positive_normal_float32("loss_scale", loss_scale)
+        object.__setattr__(self, "loss_scale", jnp.asarray(value, jnp.float32))
+
+    def __repr__(self) -> str:
+        return f"StaticLossScale(loss_scale={self.loss_scale!r})"
+
+
+class DynamicLossScale:
+    """A loss scale that backs off on non-finite gradients and grows after clean runs.
+
+    The rule (PyTorch's ``GradScaler``, made fail-closed), applied by
+    :func:`loss_scaling.update` once per step:
+
+    * finite step: ``growth_tracker += 1`` and ``nonfinite_tracker = 0``; on reaching
+      ``growth_interval`` the scale is multiplied by ``growth_factor`` (capped at
+      ``max_scale``) and the tracker resets to 0. A growth that would overflow float32 is
+      skipped; the tracker still resets.
+    * non-finite step: ``growth_tracker = 0`` and ``nonfinite_tracker += 1`` (saturating
+      at ``hysteresis``); once it reaches ``hysteresis`` the scale is multiplied by
+      ``backoff_factor`` on this and every further consecutive non-finite step. A clean
+      step refills the hysteresis. ``min_scale`` clamps the backoff; without it, a backoff
+      below the normal float32 range is an error (:class:`LossScaleError` eagerly, a
+      run-time error under ``jit``), never a silent zero scale.
+
+    Args:
+      init_scale: the initial factor; finite, positive, normal as float32.
+      growth_factor: multiplier on growth; finite and > 1.
+      backoff_factor: multiplier on backoff; in (0, 1).
+      growth_interval: consecutive clean steps before a growth; an integer >= 1
+        (1 grows on every clean step, as in PyTorch).
+      hysteresis: consecutive non-finite steps before the first backoff; an integer >= 1.
+      min_scale: optional floor for the backoff (clamps instead of failing).
+      max_scale: optional ceiling for the growth.
+
+    Raises:
+      ValueError: naming the argument and its value, for any invalid argument.
+
+    Examples:
+      >>> import loss_scaling as ls
+      >>> s = ls.DynamicLossScale(init_scale=1024.0, growth_interval=2)
+      >>> s = ls.update(s, True)
+      >>> float(s.loss_scale), int(s.growth_tracker)
+      (1024.0, 1)
+      >>> s = ls.update(s, True)   # the 2nd consecutive clean step grows
+      >>> float(s.loss_scale), int(s.growth_tracker)
+      (2048.0, 0)
+      >>> float(ls.update(s, False).loss_scale)
+      1024.0
+    """
+
+    __slots__ = ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure", "config")
+    __setattr__ = _frozen_setattr
+    __delattr__ = _frozen_delattr
+    loss_scale: jax.Array
+    growth_tracker: jax.Array
+    nonfinite_tracker: jax.Array
+    failure: jax.Array
+    config: DynamicConfig
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**15,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+    ) -> None:
+        config, init = validate_dynamic_config(
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+        )
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "loss_scale", jnp.asarray(init, jnp.float32))
+        object.__setattr__(self, "growth_tracker", jnp.zeros((), jnp.int32))
+        object.__setattr__(self, "nonfinite_tracker", jnp.zeros((), jnp.int32))
+        object.__setattr__(self, "failure", jnp.zeros((), jnp.int32))
+
+    @classmethod
+    def _from_parts(cls, config: DynamicConfig, leaves: tuple[Any, ...]) -> DynamicLossScale:
+        """Rebuilds a state without validation (unflatten, serialization after checks).
+
+        ``leaves`` are ``(loss_scale, growth_tracker, nonfinite_tracker[, failure])``; a
+        missing ``failure`` (a state saved before it existed) is healthy.
+        """
+        if len(leaves) == len(_DYNAMIC_LEAVES) - 1:
+            leaves = (*leaves, jnp.zeros((), jnp.int32))
+        self = object.__new__(cls)
+        object.__setattr__(self, "config", config)
+        for name, leaf in zip(_DYNAMIC_LEAVES, leaves, strict=True):
+            object.__setattr__(self, name, leaf)
+        return self
+
+    growth_factor = property(lambda self: self.config.growth_factor, doc="Growth multiplier.")
+    backoff_factor = property(lambda self: self.config.backoff_factor, doc="Backoff multiplier.")
+    growth_interval = property(lambda self: self.config.growth_interval,
+                               doc="Clean steps per growth.")
+    hysteresis = property(lambda self: self.config.hysteresis, doc="Non-finite steps per backoff.")
+    min_scale = property(lambda self: self.config.min_scale, doc="Backoff floor, or None.")
+    max_scale = property(lambda self: self.config.max_scale, doc="Growth ceiling, or None.")
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f.name}={getattr(self.config, f.name)!r}"
+                           for f in dataclasses.fields(self.config))
+        return (f"DynamicLossScale(loss_scale={self.loss_scale!r}, "
+                f"growth_tracker={self.growth_tracker!r}, "
+                f"nonfinite_tracker={self.nonfinite_tracker!r}, "
+                f"failure={self.failure!r}, {fields})")
+
+
+# typing.Union rather than `A | B | C`: a types.UnionType's __doc__ is read-only, so the
+# API table (autosummary reads the object's docstring) would say "Represent a PEP 604
+# union type". Both work in annotations and in isinstance.
+LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]  # noqa: UP007
+LossScale.__doc__ = """Any of the three loss-scale states (a type alias).
+
+``NoOpLossScale | StaticLossScale | DynamicLossScale``, for annotations (``s: ls.LossScale``)
+and ``isinstance(s, ls.LossScale)``; :func:`loss_scale_for` picks one for a compute dtype.
+"""
+
+
+SCALER_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+"""The three kinds, for ``isinstance`` checks."""
+
+
+def loss_scale_for(compute_dtype: Any, **dynamic_options: Any) -> LossScale:
+    """The loss scale a compute dtype needs, so one flag switches float16 / bfloat16.
+
+    float16's narrow exponent range needs dynamic scaling; bfloat16, float32 and float64
+    share float32's range and need none: they get :class:`NoOpLossScale`, which adds no
+    operation to a compiled step.
+
+    Args:
+      compute_dtype: the dtype the model computes in (anything ``jnp.dtype`` accepts).
+      **dynamic_options: :class:`DynamicLossScale` arguments, used for float16 only.
+
+    Returns:
+      ``DynamicLossScale(**dynamic_options)`` for float16, else ``NoOpLossScale()``.
+
+    Raises:
+      ValueError: if ``compute_dtype`` is not a floating dtype.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import loss_scaling as ls
+      >>> ls.loss_scale_for(jnp.bfloat16)
+      NoOpLossScale()
+      >>> float(ls.loss_scale_for("float16", init_scale=1024.0).loss_scale)
+      1024.0
+    """
+    try:
+        dtype = jnp.dtype(compute_dtype)
+    except TypeError:
+        raise ValueError(
+            f"compute_dtype must be a floating dtype, got {show(compute_dtype)}.") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"compute_dtype must be a floating dtype, got {show(compute_dtype)}.")
+    if jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp:  # float16 and narrower
+        return DynamicLossScale(**dynamic_options)
+    return NoOpLossScale()
+
+
+# ------------------------------------------------------------------ pytree registration
+
+_DYNAMIC_LEAVES = ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure")
+
+jax.tree_util.register_pytree_with_keys(
+    NoOpLossScale,
+    lambda s: ((), None),
+    lambda aux, children: object.__new__(NoOpLossScale),
+    flatten_func=lambda s: ((), None),
+)
+
+
+def _static_unflatten(aux: None, children: Any) -> StaticLossScale:
+    self = object.__new__(StaticLossScale)
+    object.__setattr__(self, "loss_scale", children[0])
+    return self
+
+
+jax.tree_util.register_pytree_with_keys(
+    StaticLossScale,
+    lambda s: (((GetAttrKey("loss_scale"), s.loss_scale),), None),
+    _static_unflatten,
+    flatten_func=lambda s: ((s.loss_scale,), None),
+)
+
+jax.tree_util.register_pytree_with_keys(
+    DynamicLossScale,
+    lambda s: (tuple((GetAttrKey(n), getattr(s, n)) for n in _DYNAMIC_LEAVES), s.config),
+    lambda config, children: DynamicLossScale._from_parts(config, tuple(children)),
+    flatten_func=lambda s: (tuple(getattr(s, n) for n in _DYNAMIC_LEAVES), s.config),
+)
+
+
+def _rebuild(cls: type, aux: Any, children: tuple[Any, ...]) -> Any:
+    """Unpickling: unflatten (no validation, like every unflatten) the pickled parts."""
+    if cls is NoOpLossScale:
+        return object.__new__(NoOpLossScale)
+    if cls is StaticLossScale:
+        return _static_unflatten(None, children)
+    return DynamicLossScale._from_parts(aux, children)
+
+
+def _reduce(self: Any) -> tuple[Any, ...]:
+    children, aux = jax.tree_util.tree_flatten(self)[0], getattr(self, "config", None)
+    return (_rebuild, (type(self), aux, tuple(children)))
+
+
+for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
+    _cls.__reduce__ = _reduce  # type: ignore[method-assign]

@@ -1,0 +1,160 @@
+"""Scaling, unscaling and finiteness over pytrees, with the dtype rules.
+
+* Floating leaves take part: real (float64 down to float8 / float4) and complex. Integer
+  and bool leaves pass through untouched (and are ignored by the finiteness test). ``None``
+  and ``optax.MaskedNode`` hold no leaves.
+* :func:`scale` computes in (at least) float32: a float16 loss of 4.0 at scale 2**15 is
+  131072.0, not inf. Complex leaves are scaled part by part.
+* :func:`unscale` multiplies by the float32 reciprocal of the factor (as PyTorch's kernel
+  does; exact for power-of-two factors) in at least float32, and casts each leaf back to
+  its dtype. The reciprocal of a factor above 2**126 is subnormal, which XLA on CPU flushes
+  to zero: it is applied in two exact steps instead (see :class:`Reciprocal`), so the
+  result is the same bits wherever it is a normal number.
+* One definition of a finite step: every element of every floating leaf, unscaled exactly
+  as :func:`unscale` computes it, is finite (:func:`unscaled_finite_leaves`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from loss_scaling.core.numerics import (
+    AxisName,
+    _and_over_axes,
+    _per_part,
+    compute_dtype,
+    is_floating,
+    reciprocal,
+    unscale_tree,
+)
+from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+
+__all__ = ["all_finite", "scale", "unscale"]
+
+
+def _check_state(state: Any) -> None:
+    if not isinstance(state, (NoOpLossScale, StaticLossScale, DynamicLossScale)):
+        raise TypeError(
+            f"state must be a NoOpLossScale, StaticLossScale or DynamicLossScale, got {state!r}."
+        )
+
+
+@jax.jit
+def _scale(factor: jax.Array, tree: Any) -> Any:
+    def leaf(x: Any) -> Any:
+        if not is_floating(x):
+            return x
+        x = jnp.asarray(x)
+        compute = compute_dtype(x.dtype)
+        return _per_part(x, lambda part: part.astype(compute) * factor.astype(compute))
+
+    return jax.tree.map(leaf, tree)
+
+
+@jax.jit
+def _unscale(factor: jax.Array, tree: Any) -> Any:
+    return unscale_tree(tree, reciprocal(factor))
+
+
+def scale(state: LossScale, tree: Any) -> Any:
+    """Multiplies every floating leaf of ``tree`` (a loss or any pytree) by the loss scale.
+
+    Leaves are computed and returned in at least float32 (complex64 for complex leaves),
+    so a float16 loss is never overflowed by the multiplication itself. With
+    :class:`NoOpLossScale` the tree is returned as it is.
+
+    Args:
+      state: a loss-scale state.
+      tree: a scalar loss or any pytree.
+
+    Returns:
+      ``tree`` times the factor; float16 / bfloat16 / float8 leaves come back as float32.
+
+    Raises:
+      TypeError: if ``state`` is not a loss-scale state.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import loss_scaling as ls
+      >>> s = ls.DynamicLossScale()            # 2**15
+      >>> ls.scale(s, jnp.float16(4.0))        # would be inf in float16
+      Array(131072., dtype=float32)
+    """
+    _check_state(state)
+    if isinstance(state, NoOpLossScale):
+        return tree
+    return _scale(state.loss_scale, tree)
+
+
+def unscale(state: LossScale, tree: Any) -> Any:
+    """Divides every floating leaf of ``tree`` by the loss scale; each leaf keeps its dtype.
+
+    Use the same state that scaled the loss of this step. The division is a multiplication
+    by the float32 reciprocal of the factor, as PyTorch's ``GradScaler`` does: exact for
+    the power-of-two factors a default :class:`DynamicLossScale` takes, and the same bits
+    as PyTorch's CPU kernel for any factor wherever the result is a normal number. A result
+    that is itself subnormal (or a subnormal gradient) may come back as zero on a backend
+    that flushes subnormals, as XLA on CPU does.
+
+    Args:
+      state: the loss-scale state that scaled the loss.
+      tree: scaled gradients (any pytree).
+
+    Returns:
+      The unscaled tree, with the same structure and dtypes.
+
+    Raises:
+      TypeError: if ``state`` is not a loss-scale state.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import loss_scaling as ls
+      >>> s = ls.StaticLossScale(1024.0)
+      >>> ls.unscale(s, {"w": jnp.array([2048.0, 512.0], jnp.float16)})
+      {'w': Array([2. , 0.5], dtype=float16)}
+      >>> ls.unscale(ls.StaticLossScale(2.0**127), jnp.float32(2.0**127))  # 1/scale is subnormal
+      Array(1., dtype=float32)
+    """
+    _check_state(state)
+    if isinstance(state, NoOpLossScale):
+        return tree
+    return _unscale(state.loss_scale, tree)
+
+
+def _all_finite(tree: Any, axis_name: AxisName) -> jax.Array:
+    flags = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if is_floating(x)]
+    finite = jnp.stack(flags).all() if flags else jnp.asarray(True)
+    return _and_over_axes(finite, axis_name)
+
+
+_all_finite_jit = jax.jit(_all_finite, static_argnames="axis_name")
+
+
+def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
+    """Whether every floating (real or complex) leaf of ``tree`` is free of inf and NaN.
+
+    Integer and bool leaves are ignored; an empty tree is finite.
+
+    Args:
+      tree: any pytree (``None`` leaves and ``optax.MaskedNode`` are fine).
+      axis_name: inside ``pmap`` or ``shard_map``, the mapped axis name (or a tuple of
+        names): the flag is AND-reduced over it, so every replica agrees. Not needed
+        under ``jit`` with shardings, where the test already covers the global array.
+
+    Returns:
+      A scalar bool array.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import loss_scaling as ls
+      >>> ls.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])})
+      Array(False, dtype=bool)
+      >>> ls.all_finite({"a": jnp.ones(3), "step": jnp.int32(7), "skip": None})
+      Array(True, dtype=bool)
+    """
+    if isinstance(axis_name, list):
+        axis_name = tuple(axis_name)
+    return _all_finite_jit(tree, axis_name=axis_name)

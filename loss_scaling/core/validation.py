@@ -1,0 +1,134 @@
+"""The one validator of every loss-scale setting and range (construction, state dicts and
+flax records all use it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import operator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loss_scaling._errors import show
+
+_F32 = np.finfo(np.float32)
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _is_traced(value: Any) -> bool:
+    return isinstance(value, jax.core.Tracer)
+
+
+def _real(name: str, value: Any) -> float:
+    """``value`` as a Python float, refusing bools, strings, tracers and non-scalars."""
+    if _is_traced(value):
+        raise ValueError(
+            f"{name} must be a concrete number, got a traced value {show(value)}: construct loss "
+            "scales outside `jit` (a state passed into `jit` keeps its configuration)."
+        )
+    # numpy registers timedelta64 as an integer type (numbers.Real); its 0-d arrays, like
+    # datetime64 and object ones, convert to a number silently: none of them is a number.
+    dtype = getattr(value, "dtype", None)
+    numeric = dtype is None or (isinstance(dtype, np.dtype) and (
+        dtype.kind in "iu" or jnp.issubdtype(dtype, jnp.floating)))
+    if isinstance(value, (bool, np.bool_)) or not numeric or not (
+        isinstance(value, numbers.Real)
+        or (isinstance(value, (np.ndarray, jax.Array)) and value.shape == ())
+    ):
+        raise ValueError(
+            f"{name} must be a real number, got {show(value)} of type {type(value).__name__}.")
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond the float range
+        return float("inf")
+
+
+def _float32(value: float) -> np.float32:
+    with np.errstate(over="ignore", under="ignore"):
+        return np.float32(value)
+
+
+def positive_normal_float32(name: str, value: Any) -> float:
+    """Validates a scale-like value: finite, positive and normal *as float32*."""
+    as_f32 = _float32(_real(name, value))
+    if not (np.isfinite(as_f32) and as_f32 >= _F32.tiny):
+        raise ValueError(
+            f"{name} must be a finite, positive, normal float32 (between {_F32.tiny} and "
+            f"{_F32.max}), got {show(value)}."
+        )
+    return float(as_f32)
+
+
+def positive_int32(name: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)) or _is_traced(value):
+        raise ValueError(f"{name} must be an integer, got {show(value)}.")
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        raise ValueError(
+            f"{name} must be an integer, got {show(value)} of type {type(value).__name__}."
+        ) from None
+    if not 1 <= as_int <= _INT32_MAX:
+        raise ValueError(f"{name} must be an integer in [1, {_INT32_MAX}], got {show(value)}.")
+    return as_int
+
+
+def _growth_factor(value: Any) -> float:
+    as_f32 = _float32(_real("growth_factor", value))
+    if not (np.isfinite(as_f32) and as_f32 > 1.0):
+        raise ValueError(f"growth_factor must be finite and > 1 as a float32, got {show(value)}.")
+    return float(as_f32)
+
+
+def _backoff_factor(value: Any) -> float:
+    as_f32 = _float32(_real("backoff_factor", value))
+    if not (0.0 < as_f32 < 1.0):
+        raise ValueError(
+            f"backoff_factor must lie in the open interval (0, 1) as a float32, got {show(value)}."
+        )
+    if as_f32 < _F32.tiny:
+        # XLA on CPU reads a subnormal operand as 0: every backoff would give a zero scale,
+        # so the first overflow would fail the run.
+        raise ValueError(
+            f"backoff_factor must be a normal float32 (at least {_F32.tiny}), got "
+            f"{show(value)}: a subnormal factor is read as 0 on CPU, so the first backoff "
+            "would leave the normal float32 range and fail the run.")
+    return float(as_f32)
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicConfig:
+    """The static configuration of a :class:`DynamicLossScale` (hashable aux data)."""
+
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    hysteresis: int
+    min_scale: float | None
+    max_scale: float | None
+
+
+def validate_dynamic_config(
+    *, init_scale: Any, growth_factor: Any, backoff_factor: Any, growth_interval: Any,
+    hysteresis: Any, min_scale: Any, max_scale: Any,
+) -> tuple[DynamicConfig, float]:
+    """Checks every argument of :class:`DynamicLossScale`; returns the config and scale."""
+    init = positive_normal_float32("init_scale", init_scale)
+    config = DynamicConfig(
+        growth_factor=_growth_factor(growth_factor),
+        backoff_factor=_backoff_factor(backoff_factor),
+        growth_interval=positive_int32("growth_interval", growth_interval),
+        hysteresis=positive_int32("hysteresis", hysteresis),
+        min_scale=None if min_scale is None else positive_normal_float32("min_scale", min_scale),
+        max_scale=None if max_scale is None else positive_normal_float32("max_scale", max_scale),
+    )
+    if config.min_scale is not None and config.min_scale > init:
+        raise ValueError(f"min_scale ({min_scale!r}) must not exceed init_scale ({init_scale!r}).")
+    if config.max_scale is not None and config.max_scale < init:
+        raise ValueError(
+            f"max_scale ({max_scale!r}) must not be below init_scale ({init_scale!r}).")
+    return config, init

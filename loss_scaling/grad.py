@@ -1,0 +1,158 @@
+"""Gradients of the scaled loss: :func:`value_and_grad`, dispatching to the integrations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from loss_scaling import _registry
+from loss_scaling._errors import NoLossScaleFound, describe
+from loss_scaling.core import tree
+from loss_scaling.core.scalers import SCALER_TYPES
+from loss_scaling.lookup import get_loss_scale
+
+__all__ = ["value_and_grad"]
+
+WRONG_FIRST_ARGUMENT = (
+    "The function returned by `loss_scaling.value_and_grad(loss_fn)` takes the loss scale "
+    "first, then loss_fn's arguments: `ls.value_and_grad(loss_fn)(optimizer, model, *args)` "
+    "for flax nnx (the nnx.Optimizer or ls.nnx.Optimizer built with "
+    "`ls.with_loss_scaling(...)`), `(state, state.params, *args)` for a TrainState, "
+    "`(opt_state, params, *args)` for optax, or a loss-scale state first. Got {what} as the "
+    "first argument{hint}."
+)
+
+
+AUX_NOT_A_PAIR = (
+    "`value_and_grad({name}, has_aux=True)`: with has_aux=True the function must return "
+    "a pair `(loss, aux)`, but {name} returned {what}. Return `loss, aux`, or pass "
+    "has_aux=False if it returns the loss only."
+)
+PAIR_WITHOUT_AUX = (
+    "`value_and_grad({name}, has_aux=False)`: with has_aux=False the function must return "
+    "the scalar loss only, but {name} returned {what}. If it returns `(loss, aux)`, pass "
+    "has_aux=True."
+)
+
+
+def _describe_output(out: Any) -> str:
+    """What a loss function returned, without its (possibly traced) values."""
+    if isinstance(out, (tuple, list)):
+        parts = ", ".join(_describe_output(x) for x in out[:4])
+        more = ", ..." if len(out) > 4 else ""
+        return f"a {type(out).__name__} of {len(out)} elements ({parts}{more})"
+    if hasattr(out, "shape") and hasattr(out, "dtype"):
+        return f"an array of shape {tuple(out.shape)} and dtype {out.dtype}"
+    if isinstance(out, dict):
+        return f"a dict with keys {sorted(map(str, out))[:6]}"
+    return describe(out)
+
+
+def split_loss_and_aux(fun: Callable[..., Any], out: Any, has_aux: bool) -> tuple[Any, Any]:
+    """``(loss, aux)`` from ``fun``'s output, or an error naming ``has_aux`` and the output.
+
+    Checked before the loss is scaled, so that no message shows scaled values (the
+    output of a function with ``has_aux=False`` that returns ``(loss, aux)`` would
+    otherwise be scaled as a whole, aux included).
+    """
+    name = getattr(fun, "__name__", None) or "loss_fn"
+    if name == "<lambda>":
+        name = "loss_fn"
+    if has_aux:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(AUX_NOT_A_PAIR.format(name=name, what=_describe_output(out)))
+        return out[0], out[1]
+    if isinstance(out, (tuple, list, dict)):
+        raise TypeError(PAIR_WITHOUT_AUX.format(name=name, what=_describe_output(out)))
+    return out, None
+
+
+def scaler_of_state(state: Any) -> Any:
+    """The loss scale that ``state`` holds, or an error saying what the first argument is."""
+    if isinstance(state, SCALER_TYPES):
+        return state
+    if isinstance(state, jax.Array):
+        raise TypeError(WRONG_FIRST_ARGUMENT.format(
+            what=describe(state), hint=" (an array: did you forget the loss scale?)"))
+    try:
+        return get_loss_scale(state)
+    except NoLossScaleFound as e:  # several loss scales: that message already says what to do
+        raise ValueError(WRONG_FIRST_ARGUMENT.format(
+            what=describe(state), hint=f", which holds no loss scale ({e})")) from None
+
+
+def _framework_value_and_grad(state: Any, args: tuple[Any, ...], kwargs: Any,
+                              argnums: int | tuple[int, ...]) -> Callable[..., Any] | None:
+    """The gradient function of the framework whose modules the arguments hold (nnx,
+    Equinox), from the integrations' hooks; ``None`` for plain pytrees. Only frameworks
+    already imported are asked: a module of one cannot exist otherwise."""
+    for hooks in _registry.hooks():
+        if hooks.value_and_grad is not None:
+            factory = hooks.value_and_grad(state, args, kwargs, argnums)
+            if factory is not None:
+                return factory
+    return None
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """Like ``jax.value_and_grad``, differentiating the scaled loss.
+
+    The returned function takes the loss scale first: a loss-scale state or any state
+    :func:`get_loss_scale` accepts (an opt_state, a TrainState, an nnx Optimizer), then
+    ``fun``'s arguments. It returns the *unscaled* loss (and aux) with the *scaled*
+    gradients, ready for ``tx.update`` / :func:`apply_gradients`. Pass the loss on
+    (``loss=loss``) so that a non-finite loss is told apart from an overflow.
+
+    Framework modules get their framework's semantics: when an argument is a flax
+    ``nnx`` Module, this is :func:`loss_scaling.nnx.value_and_grad` (``nnx.value_and_grad``:
+    only the optimizer's ``wrt`` variables are differentiated; RNG streams, BatchNorm
+    statistics and other variables are updated in place); when a differentiated argument
+    is an ``equinox.Module``, :func:`loss_scaling.equinox.filter_value_and_grad`
+    (``eqx.filter_value_and_grad``: the floating-point arrays are differentiated, other
+    leaves get ``None``). Plain pytrees get ``jax.value_and_grad``.
+
+    Args:
+      fun: the loss function; returns a scalar loss (or ``(loss, aux)``).
+      argnums: as in ``jax.value_and_grad``, counted over ``fun``'s arguments.
+      has_aux: as in ``jax.value_and_grad``.
+
+    Returns:
+      ``f(state, *args, **kwargs) -> (loss, grads)`` or ``((loss, aux), grads)``.
+
+    Raises:
+      TypeError / ValueError: at call time, when the first argument is not (and does not
+        hold) a loss scale: e.g. the model passed first, or the optimizer forgotten.
+      TypeError: when ``fun``'s output does not match ``has_aux`` (a bare loss with
+        ``has_aux=True``, a tuple or list with ``has_aux=False``), naming both.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import loss_scaling as ls
+      >>> grad_fn = ls.value_and_grad(lambda w: jnp.sum(w ** 2))
+      >>> loss, grads = grad_fn(ls.StaticLossScale(8.0), jnp.array([1.0, 2.0]))
+      >>> loss, grads
+      (Array(5., dtype=float32), Array([16., 32.], dtype=float32))
+    """
+
+    def wrapped(state: Any, *args: Any, **kwargs: Any) -> Any:
+        factory = _framework_value_and_grad(state, args, kwargs, argnums)
+        if factory is not None:
+            return factory(fun, argnums, has_aux)(state, *args, **kwargs)
+        scaler = scaler_of_state(state)
+
+        def scaled(*args: Any, **kwargs: Any) -> Any:
+            loss, aux = split_loss_and_aux(fun, fun(*args, **kwargs), has_aux)
+            return tree.scale(scaler, loss), (loss, aux)
+
+        (_, (loss, aux)), grads = jax.value_and_grad(scaled, argnums, has_aux=True)(
+            *args, **kwargs)
+        return ((loss, aux), grads) if has_aux else (loss, grads)
+
+    return wrapped

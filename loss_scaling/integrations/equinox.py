@@ -1,0 +1,190 @@
+"""Equinox integration: filtered gradients of the scaled loss, and the fused step on a Module.
+
+Reached as ``loss_scaling.equinox`` (Equinox is optional: ``import loss_scaling`` never
+imports it). Equinox models are pytrees whose leaves mix floating-point arrays with other
+things (activation functions, integer or bool arrays such as a stored causal mask or an
+index table, flags); following ``eqx.filter_value_and_grad``, only the floating-point
+arrays (``eqx.is_inexact_array``) are differentiated, the gradients hold ``None``
+elsewhere, and only those arrays are trained: initialise the optimizer with
+``tx.init(eqx.filter(model, eqx.is_inexact_array))``. Every other leaf is passed through
+unchanged. Stateful layers keep their state outside the model (``eqx.nn.State``, threaded
+as an ordinary argument and returned as aux), and ``eqx.nn.Dropout`` takes a ``key``, so
+a skipped step changes nothing but what the caller chooses to keep: the recipe in
+``docs/equinox.md`` keeps the new ``State`` (BatchNorm's running statistics from the
+forward pass) and moves on to the next key, exactly as without loss scaling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import optax
+
+from loss_scaling import _registry
+from loss_scaling.core import tree
+from loss_scaling.grad import scaler_of_state, split_loss_and_aux
+from loss_scaling.lookup import all_wrapper_states
+from loss_scaling.wrapper.transform import apply_gradients as _apply_gradients
+
+__all__ = ["apply_gradients", "filter_value_and_grad"]
+
+
+def contains_modules(tree_: Any) -> bool:
+    """Whether any part of ``tree_`` is an ``equinox.Module``."""
+    is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
+    return any(map(is_module, jax.tree.leaves(tree_, is_leaf=is_module)))
+
+
+def filter_value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """``eqx.filter_value_and_grad`` of the scaled loss: unscaled loss (and aux), scaled grads.
+
+    The returned function takes the loss scale's holder first (the optax state of a
+    :func:`~loss_scaling.with_loss_scaling` optimizer, or anything
+    :func:`~loss_scaling.get_loss_scale` accepts, or a loss-scale state), then ``fun``'s
+    arguments. The floating-point arrays of the arguments at ``argnums`` are
+    differentiated; their other leaves get ``None`` gradients, as in Equinox.
+    ``loss_scaling.value_and_grad`` calls this whenever a differentiated argument holds an
+    ``equinox.Module``.
+
+    Args:
+      fun: the loss function; returns a scalar loss (or ``(loss, aux)``).
+      argnums: which of ``fun``'s arguments to differentiate (Equinox's own takes only
+        the first).
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+    Returns:
+      ``f(opt_state, *args, **kwargs) -> (loss, grads)`` or ``((loss, aux), grads)``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, equinox as eqx, optax
+      >>> import loss_scaling as ls
+      >>> model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+      >>> tx = ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(8.0))
+      >>> opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+      >>> loss_fn = lambda model, x: jnp.sum(model(x) ** 2)
+      >>> loss, grads = ls.equinox.filter_value_and_grad(loss_fn)(opt_state, model, jnp.ones(2))
+      >>> true_loss, true_grads = eqx.filter_value_and_grad(loss_fn)(model, jnp.ones(2))
+      >>> bool(loss == true_loss), bool(jnp.all(grads.weight == 8 * true_grads.weight))
+      (True, True)
+    """
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+    def wrapped(state: Any, *args: Any, **kwargs: Any) -> Any:
+        scaler = scaler_of_state(state)
+        if any(i >= len(args) for i in nums):
+            raise TypeError(
+                f"argnums={argnums!r} names an argument of loss_fn beyond the {len(args)} "
+                "given after the loss scale: call "
+                "`ls.value_and_grad(loss_fn)(opt_state, model, *args)`.")
+        parts = {i: eqx.partition(args[i], eqx.is_inexact_array) for i in nums}
+
+        def scaled(diff: dict[int, Any]) -> Any:
+            full = list(args)
+            for i in nums:
+                full[i] = eqx.combine(diff[i], parts[i][1])
+            loss, aux = split_loss_and_aux(fun, fun(*full, **kwargs), has_aux)
+            return tree.scale(scaler, loss), (loss, aux)
+
+        diff = {i: parts[i][0] for i in nums}
+        (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(diff)
+        grads = grads[argnums] if isinstance(argnums, int) else tuple(grads[i] for i in nums)
+        return ((loss, aux), grads) if has_aux else (loss, grads)
+
+    return wrapped
+
+
+def apply_gradients(
+    tx: optax.GradientTransformation,
+    grads: Any,
+    opt_state: optax.OptState,
+    model: Any,
+    **extra_args: Any,
+) -> tuple[Any, optax.OptState]:
+    """The fused step on an Equinox model: ``(model, opt_state) -> (model, opt_state)``.
+
+    :func:`loss_scaling.apply_gradients` on ``eqx.filter(model, eqx.is_inexact_array)``
+    (the tree ``tx.init`` was given), recombined with the model's other leaves: the inner
+    update and its application run under one skip decision, and a skipped step returns
+    every array of the model bit-identical. Integer and bool arrays (a stored mask, an
+    index table) are not trained and come back as they are, as with
+    ``eqx.apply_updates``.
+
+    Args:
+      tx: the transformation (ideally from :func:`~loss_scaling.with_loss_scaling`).
+      grads: gradients of the scaled loss, ``None`` for non-arrays (as
+        :func:`filter_value_and_grad` returns them).
+      opt_state: ``tx``'s state, initialised with
+        ``tx.init(eqx.filter(model, eqx.is_inexact_array))``.
+      model: the Equinox model.
+      **extra_args: forwarded to the inner update; ``loss=`` is also checked.
+
+    Returns:
+      ``(new_model, new_opt_state)``.
+
+    Raises:
+      ValueError: if ``opt_state`` was initialised on ``eqx.filter(model, eqx.is_array)``
+        of a model that holds integer or bool arrays (they have no gradients).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, equinox as eqx, optax
+      >>> import loss_scaling as ls
+      >>> model = eqx.nn.Linear(2, 1, use_bias=False, key=jax.random.key(0))
+      >>> tx = ls.with_loss_scaling(optax.sgd(0.5), ls.StaticLossScale(4.0))
+      >>> opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+      >>> grads = eqx.tree_at(lambda m: m.weight, model, jnp.full((1, 2), 4.0))  # scaled
+      >>> new_model, opt_state = ls.equinox.apply_gradients(tx, grads, opt_state, model)
+      >>> bool(jnp.all(new_model.weight == model.weight - 0.5))
+      True
+    """
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    _refuse_state_of_all_arrays(opt_state, params, model)
+    params, opt_state = _apply_gradients(tx, grads, opt_state, params, **extra_args)
+    return eqx.combine(params, static), opt_state
+
+
+INITIALISED_WITH_IS_ARRAY = (
+    "opt_state was initialised for {arrays} arrays, which is eqx.filter(model, "
+    "eqx.is_array): it includes the model's {other} integer or bool arrays ({names}), "
+    "which have no gradients and are not trained. Initialise the optimizer with "
+    "`tx.init(eqx.filter(model, eqx.is_inexact_array))` ({inexact} floating-point arrays)."
+)
+
+
+def _refuse_state_of_all_arrays(opt_state: Any, params: Any, model: Any) -> None:
+    """A clear error for a state built on ``eqx.is_array`` of a model with int/bool arrays.
+
+    Without it, the wrapper's message blames the gradients' structure. Only static
+    shapes are read (no sync), so this runs under ``jit`` too.
+    """
+    arrays = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    inexact = len(jax.tree.leaves(params))
+    if len(arrays) == inexact:
+        return
+    for _, state in all_wrapper_states(opt_state):
+        if state.nonfinite_grads.shape[-1:] == (len(arrays),):
+            others = [jax.tree_util.keystr(path, simple=True, separator=".")
+                      for path, leaf in jax.tree_util.tree_leaves_with_path(model)
+                      if eqx.is_array(leaf) and not eqx.is_inexact_array(leaf)]
+            shown = ", ".join(others[:5]) + (" ..." if len(others) > 5 else "")
+            raise ValueError(INITIALISED_WITH_IS_ARRAY.format(
+                arrays=len(arrays), other=len(arrays) - inexact, names=shown,
+                inexact=inexact))
+
+
+def _value_and_grad_for(state: Any, args: tuple[Any, ...], kwargs: Any,
+                        argnums: int | Sequence[int]) -> Callable[..., Any] | None:
+    """``loss_scaling.value_and_grad``'s hook: this module's when a differentiated
+    argument holds an ``equinox.Module``."""
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    return (filter_value_and_grad
+            if contains_modules([args[i] for i in nums if i < len(args)]) else None)
+
+
+_registry.register("equinox", _registry.Hooks(value_and_grad=_value_and_grad_for))

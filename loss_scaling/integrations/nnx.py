@@ -1,0 +1,337 @@
+"""flax ``nnx`` integration: gradients of the scaled loss, and a fused ``nnx.Optimizer``.
+
+Reached as ``loss_scaling.nnx`` (imported on first use, so ``import loss_scaling`` does not
+import ``flax.nnx``). Two pieces:
+
+* :func:`value_and_grad` (also what ``loss_scaling.value_and_grad`` runs when an argument
+  is an ``nnx`` Module): ``nnx.value_and_grad`` of the scaled loss. It differentiates only
+  the optimizer's ``wrt`` filter (``nnx.Param`` when the loss scale does not come from an
+  ``nnx.Optimizer``) and threads everything else exactly as ``nnx.value_and_grad`` does:
+  BatchNorm statistics, Dropout's ``Rngs`` streams and any other mutable ``nnx.Variable``
+  are updated in place by the forward pass.
+* :class:`Optimizer`: a ``flax.nnx.Optimizer`` whose ``update`` runs the inner update and
+  its application to the model under one skip decision
+  (:func:`loss_scaling.apply_gradients`), the fused step.
+
+A skipped step leaves the parameters and the optimizer state bit-identical, but *keeps*
+what the forward pass wrote into the model's other variables (BatchNorm's running
+statistics, the Dropout RNG counts): that pass was computed and is as valid as in an
+unscaled run, and an overflow is a property of the scaled backward pass only. Exactly as
+with ``nnx.value_and_grad`` and a step that the user chose not to apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+
+from loss_scaling import _registry
+from loss_scaling._errors import describe
+from loss_scaling.checkpoint._values import place_like
+from loss_scaling.core import tree
+from loss_scaling.core.scalers import (
+    _DYNAMIC_LEAVES,
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+)
+from loss_scaling.grad import WRONG_FIRST_ARGUMENT, scaler_of_state, split_loss_and_aux
+from loss_scaling.lookup import refuse_wrapper_inside_multisteps
+from loss_scaling.wrapper.state import LossScalingState, UnderflowStats
+from loss_scaling.wrapper.transform import apply_gradients
+
+__all__ = ["Optimizer", "value_and_grad"]
+
+CONFIG_METADATA = "loss_scale_config"  # Variable metadata set by Optimizer
+
+
+def is_graph_node(x: Any) -> bool:
+    """Whether ``x`` is an ``nnx`` graph node (a Module, an Optimizer) or Variable."""
+    return isinstance(x, nnx.Variable) or nnx.graph.is_graph_node(x)
+
+
+def contains_graph_nodes(tree: Any) -> bool:
+    """Whether any part of ``tree`` is an ``nnx`` graph node or Variable."""
+    return any(map(is_graph_node, jax.tree.leaves(tree, is_leaf=is_graph_node)))
+
+
+def scaler_of(state: Any) -> Any:
+    """The loss scale held by ``state``, or an error saying what the first argument must be."""
+    if nnx.graph.is_graph_node(state) and not isinstance(state, nnx.Optimizer):
+        raise TypeError(WRONG_FIRST_ARGUMENT.format(
+            what=describe(state),
+            hint=" (an nnx graph node that is not an optimizer: did you pass the model "
+                 "first, or forget the optimizer?)"))
+    if isinstance(state, nnx.Variable):
+        raise TypeError(WRONG_FIRST_ARGUMENT.format(
+            what=describe(state), hint=" (a Variable: did you forget the optimizer?)"))
+    return scaler_of_state(state)
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    wrt: Any = None,
+) -> Callable[..., Any]:
+    """``nnx.value_and_grad`` of the scaled loss: unscaled loss (and aux), scaled grads.
+
+    The returned function takes the loss scale's holder first (an ``nnx.Optimizer``
+    built with :func:`~loss_scaling.with_loss_scaling`, or anything
+    :func:`~loss_scaling.get_loss_scale` accepts, or a loss-scale state), then ``fun``'s
+    arguments. Module arguments at ``argnums`` are differentiated with respect to
+    ``wrt``: by default the optimizer's own ``wrt`` filter when the first argument is an
+    ``nnx.Optimizer``, else ``nnx.Param``. All other state of every Module argument (RNG
+    streams, BatchNorm statistics, counters) is updated in place as the forward pass
+    left it, as ``nnx.value_and_grad`` does. ``loss_scaling.value_and_grad`` calls this
+    whenever an argument is an ``nnx`` graph node.
+
+    Args:
+      fun: the loss function; returns a scalar loss (or ``(loss, aux)``).
+      argnums: which of ``fun``'s arguments to differentiate, as in ``nnx.value_and_grad``.
+      has_aux: as in ``nnx.value_and_grad``.
+      wrt: an ``nnx`` filter overriding the default described above.
+
+    Returns:
+      ``f(optimizer, *args, **kwargs) -> (loss, grads)`` or ``((loss, aux), grads)``, the
+      grads as ``nnx.value_and_grad`` returns them (an ``nnx.State`` per Module argument)
+      and scaled by the current loss scale.
+
+    Raises:
+      TypeError: at call time, if the first argument is a Module or an array (the loss
+        scale's holder must come first); ValueError if it holds no loss scale.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> import loss_scaling as ls
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> tx = ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(8.0))
+      >>> optimizer = ls.nnx.Optimizer(model, tx, wrt=nnx.Param)
+      >>> loss_fn = lambda model, x: jnp.sum(model(x) ** 2)
+      >>> x = jnp.ones((1, 2))
+      >>> loss, grads = ls.value_and_grad(loss_fn)(optimizer, model, x)
+      >>> _, true_grads = nnx.value_and_grad(loss_fn)(model, x)
+      >>> bool(jnp.all(grads["kernel"][...] == 8 * true_grads["kernel"][...]))
+      True
+      >>> ls.value_and_grad(loss_fn)(model, optimizer, x)
+      Traceback (most recent call last):
+      ...
+      TypeError: The function returned by `loss_scaling.value_and_grad(loss_fn)` takes ...
+    """
+    argnum_tuple = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+    def wrapped(state: Any, *args: Any, **kwargs: Any) -> Any:
+        scaler = scaler_of(state)
+        if wrt is not None:
+            filter_ = wrt
+        elif isinstance(state, nnx.Optimizer):
+            filter_ = state.wrt
+        else:
+            filter_ = nnx.Param
+        for i in argnum_tuple:
+            if i >= len(args):
+                raise TypeError(
+                    f"argnums={argnums!r} names argument {i} of loss_fn, but only {len(args)} "
+                    "were given after the loss scale: call "
+                    "`ls.value_and_grad(loss_fn)(optimizer, model, *args)`.")
+        nnx_argnums = tuple(
+            nnx.DiffState(i, filter_) if is_graph_node(args[i]) else i for i in argnum_tuple)
+
+        def scaled(*args: Any, **kwargs: Any) -> Any:
+            loss, aux = split_loss_and_aux(fun, fun(*args, **kwargs), has_aux)
+            return tree.scale(scaler, loss), (loss, aux)
+
+        grad_fn = nnx.value_and_grad(
+            scaled, argnums=nnx_argnums[0] if isinstance(argnums, int) else nnx_argnums,
+            has_aux=True)
+        (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+        return ((loss, aux), grads) if has_aux else (loss, grads)
+
+    return wrapped
+
+
+class Optimizer(nnx.Optimizer):
+    """``flax.nnx.Optimizer`` with the fused loss-scaled step.
+
+    Build it with ``tx=with_loss_scaling(...)`` and pass the gradients of the *scaled*
+    loss (from :func:`loss_scaling.value_and_grad`). ``update`` runs the inner update and
+    its application to the model under one skip decision
+    (:func:`loss_scaling.apply_gradients`), so the updates are never materialized: the
+    cheapest step. A skipped step leaves the ``wrt`` variables and ``opt_state``
+    bit-identical; ``step`` counts every call, skipped ones included
+    (``loss_scaling.metrics(optimizer)`` counts the skips). With any other ``tx`` it is a
+    plain ``nnx.Optimizer``.
+
+    The loss scale's configuration is also stored as metadata of its variables, so that
+    :func:`loss_scaling.get_loss_scale`, :func:`loss_scaling.metrics` and
+    :func:`loss_scaling.restore_loss_scale` work on ``nnx.state(optimizer)`` and on the
+    state from ``nnx.split(optimizer)`` (an Orbax checkpoint's restore target) as well as
+    on the optimizer.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> import loss_scaling as ls
+      >>> model = nnx.Linear(2, 1, use_bias=False, rngs=nnx.Rngs(0))
+      >>> tx = ls.with_loss_scaling(optax.sgd(0.5), ls.DynamicLossScale(init_scale=4.0))
+      >>> optimizer = ls.nnx.Optimizer(model, tx, wrt=nnx.Param)
+      >>> loss, grads = ls.value_and_grad(lambda m: jnp.sum(m.kernel[...]))(optimizer, model)
+      >>> before = model.kernel[...]
+      >>> optimizer.update(model, grads)                     # grads are scaled by 4
+      >>> bool(jnp.all(model.kernel[...] == before - 0.5)), int(optimizer.step)
+      (True, 1)
+      >>> bad = jax.tree.map(lambda g: g * jnp.inf, grads)
+      >>> optimizer.update(model, bad)                       # skipped, scale backed off
+      >>> bool(jnp.all(model.kernel[...] == before - 0.5))
+      True
+      >>> float(ls.get_loss_scale(optimizer).loss_scale)
+      2.0
+    """
+
+    def __init__(self, model: Any, tx: Any, *, wrt: Any, graph: bool | None = None) -> None:
+        super().__init__(model, tx, wrt=wrt, graph=graph)
+        refuse_wrapper_inside_multisteps(self.opt_state)
+        for _, state in _wrapper_states(self.opt_state):
+            scaler = state.scaler
+            if isinstance(scaler, DynamicLossScale):
+                for leaf in jax.tree.leaves(scaler, is_leaf=is_graph_node):
+                    leaf.set_metadata(**{CONFIG_METADATA: scaler.config})
+
+    def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:
+        """Applies the scaled ``grads`` to ``model``, or skips the step if they are not finite.
+
+        Args:
+          model: the Module the optimizer was built for.
+          grads: gradients of the scaled loss (``loss_scaling.value_and_grad``).
+          **kwargs: forwarded to the inner update; ``loss=`` is also checked (see
+            ``nonfinite_loss`` in :func:`loss_scaling.with_loss_scaling`).
+
+        Returns:
+          None: unlike ``nnx.Optimizer.update``, the updates never leave the skip
+          decision (that is what makes the step cheap).
+        """
+        param_arrays = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+        grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
+        opt_state_arrays = nnx.as_pure(self.opt_state)
+        kwargs_arrays = nnx.as_pure(kwargs)
+        new_params, new_opt_state = apply_gradients(
+            self.tx, grad_arrays, opt_state_arrays, param_arrays, **kwargs_arrays)
+        nnx.update(model, new_params)
+        nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
+        self.step[...] += 1
+
+
+def _wrapper_states(opt_state: Any) -> list[tuple[Any, LossScalingState]]:
+    return optax.tree_utils.tree_get_all_with_path(
+        opt_state, LossScalingState.__name__,
+        filtering=lambda _, value: isinstance(value, LossScalingState))
+
+
+# ------------------------------------------------- nnx states, for lookup and restore
+
+
+def unwrap(x: Any) -> Any:
+    """Replaces flax.nnx Variables (as found in ``nnx.Optimizer.opt_state``) by values.
+
+    An ``nnx.State`` (``nnx.state(optimizer)``, the state from ``nnx.split(optimizer)``)
+    holds the wrapper's state as a plain mapping of its fields: it is rebuilt into a
+    :class:`LossScalingState` (see :func:`_from_nnx_state`). Optimizers and States are
+    found anywhere in ``x``, e.g. in the dict ``{"model": nnx.state(model), "optimizer":
+    nnx.state(optimizer)}`` that an Orbax checkpoint saves.
+    """
+    def rebuild(node: Any) -> Any:
+        if isinstance(node, nnx.Optimizer):
+            node = node.opt_state
+        return _from_nnx_state(node) if isinstance(node, nnx.State) else node
+
+    x = jax.tree.map(rebuild, x, is_leaf=lambda v: isinstance(v, (nnx.Optimizer, nnx.State)))
+    # get_value(): flax >= 0.12 deprecates `.value` (a DeprecationWarning on every call).
+    return jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, x,
+                        is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+# Fields that every wrapper state has leaves for, which identify its mapping in an
+# nnx.State (an empty inner state, a NoOp scaler or disabled underflow statistics have
+# none, so nnx.state drops those keys).
+_ALWAYS_PRESENT = frozenset({"skipped_steps", "consecutive_skips", "last_step_finite",
+                             "nonfinite_loss_steps", "nonfinite_grads"})
+def _from_nnx_state(node: Any) -> Any:
+    """Nested mappings with every wrapper state's mapping rebuilt as a LossScalingState.
+
+    The scaler's configuration is static (not a leaf), so ``nnx.state`` drops it; a
+    ``loss_scaling.nnx.Optimizer`` keeps it as metadata of the scaler's Variables. From a
+    plain ``nnx.Optimizer``'s state the dynamic scaler is rebuilt with ``config=None``
+    (:func:`get_loss_scale` refuses it; :func:`metrics` reads only values).
+    """
+    if not isinstance(node, Mapping):
+        return node
+    keys = set(node)
+    if _ALWAYS_PRESENT <= keys <= set(LossScalingState._fields):
+        fields = {k: _from_nnx_state(v) for k, v in node.items()}
+        fields["scaler"] = _scaler_from_mapping(node.get("scaler", {}))
+        if isinstance(fields.get("underflow"), Mapping):
+            fields["underflow"] = UnderflowStats(**fields["underflow"])
+        for name in LossScalingState._fields:
+            fields.setdefault(name, {} if name == "inner_state" else None)
+        return LossScalingState(**fields)
+    return {k: _from_nnx_state(v) for k, v in node.items()}
+
+
+def _scaler_from_mapping(node: Any) -> LossScale:
+    names = set(node)
+    if not names:
+        return NoOpLossScale()
+    if names == {"loss_scale"}:
+        return jax.tree.unflatten(jax.tree.structure(StaticLossScale(1.0)), [node["loss_scale"]])
+    metadata: dict[str, Any] = getattr(node.get("loss_scale"), "get_metadata", dict)()
+    config: Any = metadata.get(CONFIG_METADATA)  # None: get_loss_scale refuses it
+    return DynamicLossScale._from_parts(
+        config, tuple(node[name] for name in _DYNAMIC_LEAVES))
+
+
+def replace_scale(state: Any, new: LossScale, path: str | None) -> Any:
+    """``replace_loss_scale`` for an ``nnx.Optimizer`` (in place) or a state holding
+    ``nnx.Variable``s; ``NotImplemented`` for anything else."""
+    import loss_scaling
+
+    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    if not isinstance(state, nnx.Optimizer) and not any(
+            map(is_variable, jax.tree.leaves(state, is_leaf=is_variable))):
+        return NotImplemented
+
+    target = loss_scaling.get_loss_scale(state, path)  # clear errors for none or several
+    # get_loss_scale returns the values the Variables hold: they identify the Variables.
+    holder = state.opt_state if isinstance(state, nnx.Optimizer) else state
+    variables = jax.tree.leaves(holder, is_leaf=is_variable)
+    replace = {}
+    for old_leaf, new_leaf in zip(jax.tree.leaves(target), jax.tree.leaves(new), strict=True):
+        owners = [v for v in variables if is_variable(v) and v.get_value() is old_leaf]
+        if len(owners) != 1:
+            raise ValueError(
+                f"restore_loss_scale found {len(owners)} nnx Variables holding one loss-scale "
+                "array; it replaces exactly one: give each loss scale its own arrays.")
+        replace[id(owners[0])] = place_like(new_leaf, old_leaf)
+    if isinstance(state, nnx.Optimizer):
+        for v in variables:
+            if id(v) in replace:
+                v.set_value(replace[id(v)])
+        return state
+    return jax.tree.map(lambda v: v.replace(replace[id(v)]) if id(v) in replace else v,
+                        state, is_leaf=is_variable)
+
+
+def _value_and_grad_for(state: Any, args: tuple[Any, ...], kwargs: Any,
+                        argnums: Any) -> Callable[..., Any] | None:
+    """``loss_scaling.value_and_grad``'s hook: this module's when ``nnx`` nodes take part."""
+    return value_and_grad if contains_graph_nodes((state, args, kwargs)) else None
+
+
+_registry.register("flax.nnx", _registry.Hooks(
+    unwrap=unwrap, replace_scale=replace_scale, value_and_grad=_value_and_grad_for))

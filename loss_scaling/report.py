@@ -1,0 +1,288 @@
+"""Reading the wrapper's state on the host and in-graph: check, metrics and the
+non-finite leaves.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from loss_scaling import _errors
+from loss_scaling.core import update as scalers
+from loss_scaling.core.scalers import (
+    _DYNAMIC_LEAVES,
+    DynamicLossScale,
+    NoOpLossScale,
+    StaticLossScale,
+)
+from loss_scaling.lookup import _NO_CONFIG, _get_wrapper_state, refuse_wrapper_inside_multisteps
+from loss_scaling.wrapper.state import (
+    SUSPICIOUS_GROWTHS,
+    UnderflowStats,
+    failure_message,
+    leaf_names,
+)
+
+__all__ = ["check", "metrics", "nonfinite_grad_paths"]
+
+
+def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
+    """Arrays to log, read from the state without a host sync.
+
+    Args:
+      opt_state: as for :func:`get_loss_scale`.
+      path: as for :func:`get_loss_scale`.
+
+    Returns:
+      ``loss_scale``; ``growth_tracker`` (0 for non-dynamic scales); ``skipped_steps``,
+      ``consecutive_skips`` and ``last_step_finite``; ``nonfinite_loss_steps`` (skips
+      caused by a non-finite ``loss=``); ``nonfinite_grad_leaves``, the number of
+      gradient leaves that were non-finite on the most recent skipped step; ``failed``
+      (bool) and ``failure`` (the int32 :class:`loss_scaling.Failure` code): whether the
+      run has failed, and why (:func:`check` raises it on the host); ``clean_growths``
+      (growths of the scale since the last overflow) and ``scale_suspicious``
+      (``clean_growths >= SUSPICIOUS_GROWTHS``, 20: the scale grew a millionfold without one
+      overflow, which points at a loss that was not scaled, or a model that needs no
+      scaling); ``grad_norm`` (float32: the global norm of the last step's unscaled
+      gradients, inf or NaN on a step skipped for them, see
+      :class:`loss_scaling.LossScalingState`). With ``underflow_diagnostics=True``:
+      ``zero_grad_fraction`` and ``small_grad_fraction`` (overall, weighted by leaf size)
+      and their ``..._per_leaf`` vectors (see :class:`loss_scaling.UnderflowStats`).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import loss_scaling as ls
+      >>> opt_state = ls.with_loss_scaling(optax.sgd(1.0)).init(jnp.zeros(2))
+      >>> {k: v.item() for k, v in ls.metrics(opt_state).items()}  # doctest: +NORMALIZE_WHITESPACE
+      {'loss_scale': 32768.0, 'growth_tracker': 0, 'skipped_steps': 0,
+       'consecutive_skips': 0, 'last_step_finite': True, 'nonfinite_loss_steps': 0,
+       'nonfinite_grad_leaves': 0, 'failed': False, 'failure': 0, 'clean_growths': 0,
+       'scale_suspicious': False, 'grad_norm': 0.0}
+    """
+    refuse_wrapper_inside_multisteps(opt_state)
+    state = _get_wrapper_state(opt_state, path)
+    scaler = state.scaler
+    tracker = getattr(scaler, "growth_tracker", None)
+    return {
+        "loss_scale": jnp.asarray(scaler.loss_scale),
+        "growth_tracker": jnp.zeros((), jnp.int32) if tracker is None else tracker,
+        "skipped_steps": state.skipped_steps,
+        "consecutive_skips": state.consecutive_skips,
+        "last_step_finite": state.last_step_finite,
+        "nonfinite_loss_steps": state.nonfinite_loss_steps,
+        "nonfinite_grad_leaves": jnp.sum(state.nonfinite_grads, axis=-1, dtype=jnp.int32),
+        "failed": state.failure != _errors.Failure.NONE,
+        "failure": state.failure,
+        "clean_growths": state.clean_growths,
+        "scale_suspicious": state.clean_growths >= SUSPICIOUS_GROWTHS,
+        "grad_norm": state.grad_norm,
+        **_underflow_metrics(state.underflow),
+    }
+
+
+def _underflow_metrics(stats: UnderflowStats | None) -> dict[str, jax.Array]:
+    if stats is None:
+        return {}
+    weights = stats.size.astype(jnp.float32)
+    total = jnp.maximum(jnp.sum(weights, axis=-1), 1.0)
+    return {
+        "zero_grad_fraction": jnp.sum(stats.zero * weights, axis=-1) / total,
+        "small_grad_fraction": jnp.sum(stats.small * weights, axis=-1) / total,
+        "zero_grad_fraction_per_leaf": stats.zero,
+        "small_grad_fraction_per_leaf": stats.small,
+    }
+
+
+def nonfinite_grad_paths(opt_state: Any, params: Any, path: str | None = None) -> list[str]:
+    """The gradient leaves that were non-finite on the most recent skipped step.
+
+    A host-side helper for logs and debugging (it reads the flags, so it syncs): the
+    flags themselves are ``LossScalingState.nonfinite_grads``, updated in-graph, one per
+    params leaf; ``params`` (or any tree of the same structure) gives their names.
+
+    Args:
+      opt_state: as for :func:`get_loss_scale`.
+      params: the params (only their structure is used).
+      path: as for :func:`get_loss_scale`.
+
+    Returns:
+      Dotted key paths of the flagged leaves, e.g. ``["decoder.w"]``; empty if none.
+
+    Raises:
+      ValueError: if ``params`` does not have one leaf per flag.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import loss_scaling as ls
+      >>> tx = ls.with_loss_scaling(optax.sgd(1.0))
+      >>> params = {"enc": {"w": jnp.ones(2)}, "dec": {"w": jnp.ones(2)}}
+      >>> opt_state = tx.init(params)
+      >>> grads = {"enc": {"w": jnp.ones(2)}, "dec": {"w": jnp.array([1.0, jnp.nan])}}
+      >>> _, opt_state = tx.update(grads, opt_state, params)
+      >>> ls.nonfinite_grad_paths(opt_state, params)
+      ['dec.w']
+    """
+    flags = np.asarray(_get_wrapper_state(opt_state, path).nonfinite_grads)
+    names = gradient_leaf_names(params)
+    if flags.shape[-1:] != (len(names),):
+        raise ValueError(
+            f"params has {len(names)} leaves but the optimizer state holds "
+            f"{flags.shape[-1] if flags.ndim else 0} non-finite flags: pass the params the "
+            "optimizer was initialised with.")
+    if not names:  # an empty params tree: reshape(-1, 0) would fail
+        return []
+    flagged = np.atleast_1d(flags.reshape(-1, len(names)).any(axis=0)).tolist()  # any replica
+    return [name for name, flag in zip(names, flagged, strict=True) if flag]
+
+
+def gradient_leaf_names(params: Any) -> list[str]:
+    """The names of the gradient leaves that ``params`` receives, one per non-finite flag.
+
+    The one naming of gradient leaves (:func:`nonfinite_grad_paths` and the messages of
+    :func:`check` use it): :func:`~loss_scaling.wrapper.state.leaf_names` (key paths written by
+    ``jax.tree_util.keystr(path, simple=True, separator=".")``) of the differentiated part
+    of ``params``. The gradients mirror the params, except around wrappers whose params
+    carry more than is differentiated: ``optax.lookahead`` takes
+    ``LookaheadParams(fast, slow)`` but gradients of ``fast`` only.
+    """
+    if isinstance(params, optax.LookaheadParams):
+        params = params.fast
+    return leaf_names(params)
+
+
+def _host(x: Any) -> np.ndarray:
+    """A replicated (or single-device) array's value on this host, without a gather.
+
+    Arrays of a multi-process run are not fully addressable; their loss-scale leaves are
+    replicated, so this process's first shard holds the whole value.
+    """
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_data(0)
+    return np.asarray(x)
+
+
+def _first_failing(tree: Any, failure: np.ndarray) -> Any:
+    """One replica of a (possibly pmap-replicated) state: the first one that failed."""
+    if failure.ndim == 0:
+        return jax.tree.map(_host, tree)
+    index = int(np.argmax(failure.reshape(-1) != _errors.Failure.NONE))
+    return jax.tree.map(
+        lambda x: _host(x).reshape(failure.size, *np.shape(x)[failure.ndim:])[index], tree)
+
+
+def _read_once(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The host values of a few small arrays (None stays None), in one device read."""
+    local = [x.addressable_data(0) if isinstance(x, jax.Array) and not x.is_fully_addressable
+             else x for x in arrays]
+    return tuple(None if x is None else np.asarray(x)
+                 for x in jax.device_get(local))
+
+
+def _effective_failure(failure: np.ndarray | None, scaler_failure: np.ndarray | None,
+                       scale: np.ndarray | None) -> np.ndarray:
+    """The failure code a step would act on: the wrapper's register, else the scaler's,
+    else ``INVALID_SCALE`` where the scale is not a positive normal float32 (elementwise,
+    for replicated states)."""
+    codes = [np.asarray(c, np.int32) for c in (failure, scaler_failure) if c is not None]
+    if scale is not None:
+        as_f32 = np.asarray(scale).astype(np.float32)
+        valid = np.isfinite(as_f32) & (as_f32 >= np.finfo(np.float32).tiny)
+        codes.append(np.where(valid, np.int32(_errors.Failure.NONE),
+                              np.int32(_errors.Failure.INVALID_SCALE)))
+    if not codes:
+        return np.zeros((), np.int32)
+    out = codes[-1]
+    for code in reversed(codes[:-1]):  # the first register that holds a failure wins
+        out = np.where(code != _errors.Failure.NONE, code, out)
+    return np.asarray(out, np.int32)
+
+
+def check(state: Any, params: Any = None, path: str | None = None) -> None:
+    """Raises :class:`loss_scaling.LossScaleError` on the host if the run has failed.
+
+    Under ``jit`` a failure never raises inside the step (that would cost every step a
+    host callback, and would delete donated params): it is recorded in the state, every
+    later step is skipped, and this function reports it. Call it where you log; it reads
+    one scalar from the device (and, only on a failure, the rest of the loss-scale state
+    for the message). Params and optimizer state stay readable and checkpointable.
+
+    Args:
+      state: a loss-scale state, or anything :func:`get_loss_scale` accepts (an
+        opt_state, a TrainState, an nnx Optimizer); replicated (pmap) states are fine.
+      params: optional; the params (or gradients) whose leaves name the non-finite
+        gradient leaves in a ``max_consecutive_skips`` message.
+      path: as for :func:`get_loss_scale`.
+
+    Returns:
+      ``None`` if the state has not failed.
+
+    Raises:
+      LossScaleError: with the full message, if the state has failed.
+
+    Warns:
+      LossScaleWarning: if the scale grew :data:`SUSPICIOUS_GROWTHS` (20) times in a row
+        without a single overflow: a millionfold growth with gradients that never come near
+        float16's range points at a loss that was not scaled (use ``ls.scale`` /
+        ``ls.value_and_grad``), or at a model that needs no loss scaling.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import loss_scaling as ls
+      >>> tx = ls.with_loss_scaling(optax.sgd(1.0), ls.DynamicLossScale(init_scale=2.0**-126))
+      >>> params = jnp.ones(2)
+      >>> opt_state = tx.init(params)
+      >>> step = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p), donate_argnums=(1, 2))
+      >>> params, opt_state = step(jnp.array([jnp.inf, 0.0]), opt_state, params)   # no raise
+      >>> params                      # readable, bit-identical to before the step
+      Array([1., 1.], dtype=float32)
+      >>> ls.check(opt_state)
+      Traceback (most recent call last):
+      ...
+      loss_scaling.LossScaleError: loss scale backoff failed: ...
+    """
+    if isinstance(state, NoOpLossScale):
+        return
+    if isinstance(state, (StaticLossScale, DynamicLossScale)):
+        failure, scale = _read_once((getattr(state, "failure", None), state.loss_scale))
+        failure = _effective_failure(None, failure, scale)
+        if np.any(failure != _errors.Failure.NONE):
+            failed = _first_failing(state, failure)
+            if isinstance(failed, DynamicLossScale):
+                code = failure.reshape(-1)[int(np.argmax(failure.reshape(-1) != 0))]
+                failed = DynamicLossScale._from_parts(failed.config, (
+                    *(getattr(failed, n) for n in _DYNAMIC_LEAVES[:-1]),
+                    np.asarray(code, np.int32)))
+            raise _errors.LossScaleError(scalers.failure_message(failed))
+        return
+    refuse_wrapper_inside_multisteps(state)
+    wrapper = _get_wrapper_state(state, path)
+    scaler = wrapper.scaler
+    failure, growths, scaler_failure, scale = _read_once((
+        wrapper.failure, wrapper.clean_growths, getattr(scaler, "failure", None),
+        None if isinstance(scaler, NoOpLossScale) else scaler.loss_scale))
+    # Two registers: the wrapper's, and the scaler's own (a failed scaler restored into a
+    # fresh optimizer state, `restore_loss_scale`, brings only the latter); and a scale
+    # that arrived invalid (built by unflatten, an unchecked restore) before any step.
+    failure = _effective_failure(failure, scaler_failure, scale)
+    if np.any(failure != _errors.Failure.NONE):
+        names = None if params is None else gradient_leaf_names(params)
+        failed = _first_failing(wrapper._replace(failure=failure), failure)
+        scaler = failed.scaler
+        if isinstance(scaler, DynamicLossScale) and scaler.config is None:
+            # A plain nnx.Optimizer's nnx.State: no config for the full message.
+            code = _errors.Failure(int(np.asarray(failed.failure)))
+            raise _errors.LossScaleError(
+                f"the run has failed ({code.name}, loss scale "
+                f"{float(np.asarray(scaler.loss_scale))!r}). {_NO_CONFIG} For the full "
+                "message, call check on the optimizer.")
+        raise _errors.LossScaleError(failure_message(failed, names))
+    if np.any(growths >= SUSPICIOUS_GROWTHS):
+        now = float(_host(jnp.asarray(wrapper.scaler.loss_scale)).reshape(-1)[0])
+        warnings.warn(_errors.SUSPICIOUS_SCALE.format(growths=int(np.max(growths)),
+                                                      scale=now), _errors.LossScaleWarning,
+                      stacklevel=2)

@@ -1,0 +1,231 @@
+"""The wrapper's state, its validated options, and its host-side messages.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from loss_scaling import _errors
+from loss_scaling._errors import Failure
+from loss_scaling.core import update as scalers
+from loss_scaling.core.numerics import AxisName
+from loss_scaling.core.scalers import (
+    LossScale,
+)
+
+SkipMode = Literal["auto", "cond", "select"]
+NonFiniteLoss = Literal["backoff", "skip"]
+GRADIENT_EXTRA_ARGS = ("grad",)
+"""Extra arguments of ``update`` that hold gradients of the scaled loss: unscaled and checked."""
+CONSUMED_EXTRA_ARGS = ("loss",)
+"""Extra arguments of ``update`` that are the wrapper's own (checked) and not forwarded:
+optax's line searches (``lbfgs``) and ``optax.contrib.sam`` refuse arguments they do not
+know. An inner optimizer that wants the loss takes it as ``value=``, optax's name."""
+
+
+class LossScalingState(NamedTuple):
+    """State of :func:`with_loss_scaling`.
+
+    Attributes:
+      scaler: the loss-scale state (``NoOpLossScale``, ``StaticLossScale`` or
+        ``DynamicLossScale``) that scales the *next* step's loss.
+      inner_state: the wrapped optimizer's state; unchanged by skipped steps.
+      skipped_steps: int32, steps skipped in total (saturating).
+      consecutive_skips: int32, steps skipped since the last applied one (saturating).
+      last_step_finite: bool, whether the last step was applied.
+      nonfinite_loss_steps: int32, steps skipped because the ``loss`` passed to the
+        update was itself non-finite (saturating).
+      nonfinite_grads: bool vector with one entry per gradient leaf, in
+        ``jax.tree.leaves`` order: ``True`` where that gradient leaf was non-finite on the
+        most recent step skipped for its gradients (:func:`loss_scaling.nonfinite_grad_paths`
+        names them). A vector, not a params-shaped tree: ``optax.tree_map_params``
+        (sharding specs for optimizer states) must not mistake it for params.
+      failure: int32 :class:`loss_scaling.Failure` code, 0 while healthy. Once set it never
+        changes: every later step is skipped and :func:`loss_scaling.check` raises.
+      failure_skips: int32, the consecutive skips when the run failed (0 while healthy).
+      clean_growths: int32, growths of the scale since the last non-finite step. Many in a
+        row point at a loss that was not scaled, or a model that needs no scaling
+        (``metrics(...)["scale_suspicious"]``, and a warning from :func:`loss_scaling.check`).
+      underflow: ``None``, or with ``underflow_diagnostics=True`` an
+        :class:`UnderflowStats` of this step's gradients.
+      grad_norm: float32, the global L2 norm of the last step's *unscaled* gradients
+        (what PyTorch's ``clip_grad_norm_`` returns), from the same read of the gradients
+        as the finite test (the sum of their squares, in float32, times the scale's
+        reciprocal). On a step skipped for its gradients it is inf or NaN: the norm of
+        what arrived. It is inf, too, where the squares of the *scaled* gradients
+        overflow float32 (above ~1.8e19 in total norm); with ``axis_name``, it is this
+        replica's gradients' norm. 0 before the first step.
+    """
+
+    scaler: LossScale
+    inner_state: optax.OptState
+    skipped_steps: jax.Array
+    consecutive_skips: jax.Array
+    last_step_finite: jax.Array
+    nonfinite_loss_steps: jax.Array
+    nonfinite_grads: jax.Array
+    failure: jax.Array
+    failure_skips: jax.Array
+    clean_growths: jax.Array
+    underflow: UnderflowStats | None
+    grad_norm: jax.Array
+
+
+class UnderflowStats(NamedTuple):
+    """Per gradient leaf, how much of the last step's gradient float16 could not hold.
+
+    A step whose gradients are not finite keeps the previous values.
+
+    Attributes:
+      zero: float32 vector, one entry per gradient leaf: the fraction of entries that are
+        exactly zero (in the scaled gradients: what underflowed in the backward pass).
+      small: float32 vector: the fraction of entries that are nonzero but, unscaled, below
+        float16's smallest normal (6.1e-5): what float16 would lose without the scale.
+        A complex entry is zero when both its parts are, and small when it is nonzero
+        with an unscaled modulus below 6.1e-5; so ``zero + small`` never exceeds 1.
+      size: int32 vector: the entries of each floating leaf (0 for integer leaves), which
+        weigh the overall fractions.
+    """
+
+    zero: jax.Array
+    small: jax.Array
+    size: jax.Array
+
+
+SUSPICIOUS_GROWTHS = 20
+"""Growths in a row without an overflow after which the scale is suspicious (2**20 up)."""
+
+_F16_TINY = float(np.finfo(np.float16).tiny)
+_BELOW_F16_TINY = float(np.nextafter(np.float32(_F16_TINY), np.float32(0)))
+
+LOW_PRECISION_STATE = (
+    "with_loss_scaling: the params {leaves} are {dtype} and the wrapped optimizer keeps its "
+    "state in the params' dtype. In {dtype} that state under- and overflows (Adam's eps=1e-8 "
+    "is 0 in float16: one step turns params into NaN, and no gradient check can catch it). "
+    "Keep float32 master params and compute in float16 inside the loss function (cast the "
+    "params there), as the README's recipes do."
+)
+
+
+BFLOAT16_PARAMS = (
+    "with_loss_scaling: the params {leaves} are bfloat16. bfloat16 keeps 8 significant bits, "
+    "so an update smaller than about 1/256 of a param rounds away (p + u == p): small "
+    "learning rates and late training stall, and loss scaling cannot help (it protects the "
+    "gradients, not the params). Keep float32 master params and compute in bfloat16 inside "
+    "the loss function (cast the params there)."
+)
+
+NO_ZERO_PARAMS = (
+    "with_loss_scaling: the params leaf {leaf!r} is {dtype}, a dtype without a zero (an "
+    "exponent-only scale format): no update leaves it unchanged (a skipped step's -0.0 update "
+    "is NaN in {dtype}, and optax.apply_updates computes p + u in it), so a skipped step "
+    "cannot keep it. Keep such leaves out of the params given to the optimizer (e.g. in "
+    "another collection), or store them as float32."
+)
+
+
+def _fresh(scaler: LossScale) -> LossScale:
+    # New buffers: donating an opt_state must never delete arrays the caller's scaler holds.
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), scaler)
+
+
+def _count(counter: jax.Array, reset_when: jax.Array, reset: bool) -> jax.Array:
+    stepped = optax.safe_increment(counter)
+    return jnp.where(reset_when, jnp.zeros_like(counter) if reset else counter, stepped)
+
+
+class WrapperOptions(NamedTuple):
+    """The wrapper's settings, shared by ``update`` and the fused :func:`apply_gradients`."""
+
+    inner: optax.GradientTransformationExtraArgs
+    axis_name: AxisName
+    skip: SkipMode
+    on_failure: scalers.OnFailure
+    max_consecutive_skips: int | None
+    nonfinite_loss: NonFiniteLoss
+    underflow_diagnostics: bool
+
+
+def gradient_leaf_count(params: Any) -> int:
+    """How many gradient leaves an update receives for ``params``.
+
+    The gradients mirror the params, except for optimizers whose ``params`` carry more
+    than is differentiated: ``optax.lookahead`` takes ``LookaheadParams(fast, slow)`` but
+    gradients of ``fast`` only.
+    """
+    if isinstance(params, optax.LookaheadParams):
+        params = params.fast
+    return len(jax.tree.leaves(params))
+
+
+def _has_zero(dtype: Any) -> bool:
+    """Whether ``dtype`` holds a zero (``float8_e8m0fnu``, a scale format, does not)."""
+    return bool(np.asarray(0.0, np.float32).astype(dtype).astype(np.float32) == 0)
+
+
+def _refuse_dtypes_without_zero(params: Any) -> None:
+    """Host side, at ``init``: float params in a dtype without a zero cannot be skipped."""
+    for name, leaf in zip(leaf_names(params), jax.tree.leaves(params), strict=True):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and not _has_zero(dtype):
+            raise TypeError(NO_ZERO_PARAMS.format(leaf=name, dtype=jnp.dtype(dtype).name))
+
+
+def _warn_low_precision_state(params: Any, inner_state: Any) -> None:
+    """Host side, once at ``init``: narrow float params whose optimizer state is as narrow,
+    and bfloat16 params (a :class:`loss_scaling.LossScaleWarning` each)."""
+    def narrow(x: Any) -> bool:
+        dtype = getattr(x, "dtype", None)
+        return (dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+                and jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp)
+
+    def shown(names: list[str]) -> str:
+        return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+    named = list(zip(leaf_names(params), jax.tree.leaves(params), strict=True))
+    names = [name for name, leaf in named if narrow(leaf)]
+    if names and any(narrow(leaf) for leaf in jax.tree.leaves(inner_state)):
+        dtype = next(leaf.dtype for leaf in jax.tree.leaves(params) if narrow(leaf))
+        warnings.warn(LOW_PRECISION_STATE.format(leaves=shown(names),
+                                                 dtype=jnp.dtype(dtype).name),
+                      _errors.LossScaleWarning, stacklevel=3)
+    bf16 = [name for name, leaf in named if getattr(leaf, "dtype", None) == jnp.bfloat16]
+    if bf16:  # whatever the optimizer: the params themselves lose the updates
+        warnings.warn(BFLOAT16_PARAMS.format(leaves=shown(bf16)), _errors.LossScaleWarning,
+                      stacklevel=3)
+
+
+def failure_message(state: LossScalingState, names: list[str] | None = None) -> str:
+    """The host-side message for a failed wrapper state (concrete, one replica).
+
+    ``names`` names the gradient leaves (:func:`leaf_names` of the params or gradients);
+    without them, leaves are named by their index in ``jax.tree.leaves`` order.
+    """
+    code = Failure(int(np.asarray(state.failure)))
+    if code == Failure.TOO_MANY_SKIPS:
+        flags = np.asarray(state.nonfinite_grads).reshape(-1)
+        if names is None or len(names) != flags.size:
+            names = [f"leaf #{i}" for i in range(flags.size)]
+        return _errors.too_many_skips_message(
+            state.failure_skips, jnp.asarray(state.scaler.loss_scale),
+            [name for name, bad in zip(names, flags, strict=True) if bad])
+    if code == Failure.BACKOFF_UNDERFLOW:
+        return scalers.failure_message(state.scaler)  # type: ignore[arg-type]
+    return _errors.invalid_scale_message(jnp.asarray(state.scaler.loss_scale))
+
+
+def leaf_names(tree: Any) -> list[str]:
+    """Dotted key paths of the leaves (``"encoder.layers.0.w"``), made unique."""
+    names: list[str] = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = jax.tree_util.keystr(path, simple=True, separator=".") or "params"
+        while name in names:  # e.g. {"a.b": x} next to {"a": {"b": y}}
+            name += "_"
+        names.append(name)
+    return names

@@ -1,0 +1,365 @@
+"""STEP_DOC"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from loss_scaling import _errors
+from loss_scaling._errors import Failure
+from loss_scaling.core import numerics
+from loss_scaling.core import update as scalers
+from loss_scaling.core.numerics import AxisName
+from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale
+from loss_scaling.wrapper.state import (
+    _BELOW_F16_TINY,
+    CONSUMED_EXTRA_ARGS,
+    GRADIENT_EXTRA_ARGS,
+    LossScalingState,
+    SkipMode,
+    UnderflowStats,
+    WrapperOptions,
+    _count,
+    failure_message,
+    leaf_names,
+)
+
+
+def _varying_axes(x: Any) -> frozenset[Any]:
+    """The ``shard_map`` axes over which ``x`` (an array or a ShapeDtypeStruct) varies."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _vary(x: Any, axes: frozenset[Any]) -> Any:
+    missing = axes - _varying_axes(x)
+    return lax.pcast(x, tuple(sorted(missing, key=str)), to="varying") if missing else x
+
+
+def _skip_cond(apply: jax.Array, step: Callable[[Any], Any], skip_step: Callable[[Any], Any],
+               operands: Any) -> Any:
+    """``lax.cond(apply, step, skip_step, operands)``, valid under ``shard_map``'s vma checks.
+
+    Inside ``shard_map`` the two branches can disagree on the mesh axes an output varies
+    over, e.g. tensor-parallel updates vary over "model" where the ``-0.0`` of a skip does
+    not. Each output is cast to the union of both (``pcast`` to varying: a change of type,
+    no communication), so the cond type-checks and the shard_map's ``out_specs`` judge
+    the result. Outside ``shard_map`` this is a plain ``lax.cond``.
+    """
+    if not jax.sharding.get_abstract_mesh().manual_axes:
+        return lax.cond(apply, step, skip_step, operands)
+    stepped, skipped = (jax.eval_shape(f, operands) for f in (step, skip_step))
+    axes = jax.tree.map(lambda a, b: _varying_axes(a) | _varying_axes(b), stepped, skipped)
+
+    def cast(branch: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        return lambda operands: jax.tree.map(_vary, branch(operands), axes)
+
+    return lax.cond(apply, cast(step), cast(skip_step), operands)
+
+
+def _stepped_scaler(scaler: LossScale, finite: jax.Array) -> LossScale:
+    """The scaler's next state, a failure recorded but never raised (eager included).
+
+    The wrapper decides afterwards whether that step counts (``nonfinite_loss="skip"``
+    discards it on a non-finite loss) and raises an eager failure itself (:func:`_report`).
+    """
+    if isinstance(scaler, DynamicLossScale):
+        return scalers.step_recorded(scaler, finite)
+    return scaler
+
+
+def _underflow_stats(grads: Any, inverse: numerics.Reciprocal | None) -> UnderflowStats:
+    """Per leaf: the fractions of exact zeros (in the scaled gradients, as the backward pass
+    left them), and of nonzero entries below float16's smallest normal once unscaled (in
+    float32): one more read of the gradients, opt-in."""
+    zero, small, size = [], [], []
+    for g in jax.tree.leaves(grads):
+        size.append(jnp.size(g) if numerics.is_floating(g) else 0)  # weighs the overall fractions
+        if not numerics.is_floating(g) or not jnp.size(g):
+            zero.append(jnp.zeros((), jnp.float32))
+            small.append(jnp.zeros((), jnp.float32))
+            continue
+        # In the compute dtype, not cast back: a float16 leaf's small values must show.
+        magnitude = jnp.abs(g.astype(numerics.compute_dtype(g.dtype)) if inverse is None
+                            else numerics.unscale_leaf(g, inverse, cast_back=False))
+        # Indicators by arithmetic (sign, max), not comparisons: XLA on CPU fuses these into
+        # the reduction, where a boolean mask would be materialized per leaf.
+        # A complex entry is zero iff both parts are (not only its real part); it is small
+        # when nonzero with an unscaled modulus below float16's smallest normal.
+        parts = ([jnp.real(g), jnp.imag(g)] if jnp.issubdtype(g.dtype, jnp.complexfloating)
+                 else [g])
+        nonzero = jnp.sign(sum(jnp.abs(p.astype(magnitude.dtype)) for p in parts))
+        normal16 = jnp.sign(jnp.maximum(magnitude - _BELOW_F16_TINY, 0))  # |y| >= f16 tiny
+        zero.append(jnp.mean(1 - nonzero, dtype=jnp.float32))
+        small.append(jnp.mean(jnp.sign(magnitude) - normal16, dtype=jnp.float32))
+    if not size:
+        empty = jnp.zeros((0,), jnp.float32)
+        return UnderflowStats(empty, empty, jnp.zeros((0,), jnp.int32))
+    return UnderflowStats(jnp.stack(zero), jnp.stack(small),
+                          jnp.asarray(np.asarray(size, np.int32)))
+
+
+def _reciprocal(scaler: LossScale) -> numerics.Reciprocal | None:
+    """The scaler's reciprocal; ``None`` for ``NoOpLossScale``, which compiles to nothing."""
+    return None if isinstance(scaler, NoOpLossScale) else numerics.reciprocal(scaler.loss_scale)
+
+
+def _unscale(grads: Any, inverse: numerics.Reciprocal | None) -> Any:
+    return grads if inverse is None else numerics.unscale_tree(grads, inverse)
+
+
+def _inner_extra_args(extra_args: dict[str, Any],
+                      inverse: numerics.Reciprocal | None) -> dict[str, Any]:
+    """The extra arguments for the inner update: ``grad=`` unscaled, ``loss=`` consumed."""
+    return {name: _unscale(value, inverse) if name in GRADIENT_EXTRA_ARGS else value
+            for name, value in extra_args.items() if name not in CONSUMED_EXTRA_ARGS}
+
+
+class StepDecision(NamedTuple):
+    apply: jax.Array  # run the inner step
+    healthy: jax.Array  # no recorded failure and a usable scale
+    grads_finite: jax.Array
+    loss_finite: jax.Array
+    leaf_finite: jax.Array  # one flag per gradient leaf
+    grads: Any  # the scaled gradients (their leaves' names, the underflow statistics)
+    inverse: numerics.Reciprocal | None  # the scale's reciprocal, computed once per step
+    grad_norm: jax.Array  # float32 global norm of the unscaled gradients
+
+
+def _finite_leaves(grads: Any, inverse: numerics.Reciprocal | None,
+                   axis_name: AxisName) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per gradient leaf, whether its unscaled values are all finite; their AND; and the
+    sum of squares of the (scaled) gradients, in float32, for the norm.
+
+    On XLA CPU a plain sum (of squares) is a vectorized read, while a reduction with the
+    unscale or ``abs`` as its producer runs about three times slower (benchmarks/
+    step_breakdown.py). So the CPU step first screens the leaves with sums of squares
+    (the same read gives the gradient norm): a finite sum proves every entry finite, and
+    with a scale of at least 1 (a reciprocal of at most 1) unscaling a finite entry cannot
+    overflow, also not when cast back to a narrow dtype.
+    Only a group the screen does not clear (an inf or NaN, which is then skipped anyway, a
+    sum that overflowed, or everything at a scale below 1) runs the exact test, under a
+    conditional. Small leaves are screened and tested together
+    (:func:`loss_scaling.core.numerics.leaf_groups`): on XLA CPU every kernel of the executable
+    costs about a microsecond per run, those in a branch not taken included, and a small
+    model is all small leaves. Other backends run the exact test directly: a conditional
+    can cost them a host round trip.
+    """
+    leaves = jax.tree.leaves(grads)
+    groups = numerics.leaf_groups(leaves)
+    if jax.default_backend() != "cpu" or not groups:
+        # Sibling reductions of the same leaves: XLA fuses them into one read on GPU.
+        squares = sum((numerics.square_sum(x).astype(jnp.float32) for x in leaves),
+                      jnp.zeros((), jnp.float32))
+        return (*numerics.unscaled_finite_leaves(grads, inverse, axis_name), squares)
+    small_reciprocal = jnp.asarray(True)
+    if inverse is not None:
+        small_reciprocal = (inverse.normal <= 1) | (inverse.post < 1)
+    sums = [numerics.sum_screen(leaves, group) for group in groups]
+    squares = sum((x.astype(jnp.float32) for x in sums), jnp.zeros((), jnp.float32))
+    cleared = [jnp.isfinite(x) & small_reciprocal for x in sums]
+    all_cleared = jnp.stack(cleared).all()
+    if axis_name is not None:  # the branch must be the same on every replica
+        all_cleared = lax.pmin(all_cleared.astype(jnp.int32), axis_name) == 1
+
+    def group_exact(ok: jax.Array, group: numerics.LeafGroup) -> jax.Array:
+        def recheck(_: Any) -> jax.Array:
+            return numerics.unscaled_group_finite(leaves, group, inverse)
+
+        if group.joined:  # a few small kernels: cheaper than a conditional around them
+            return recheck(None)
+        # A large leaf is read again only if the screen did not clear it: a skipped step
+        # rereads about what overflowed, not the whole model.
+        return _skip_cond(ok, lambda _: jnp.ones((1,), jnp.bool_), recheck, None)
+
+    def exact(_: Any) -> tuple[jax.Array, jax.Array]:
+        flags = [jnp.asarray(True)] * len(leaves)
+        for ok, group in zip(cleared, groups, strict=True):
+            group_flags = group_exact(ok, group)
+            for position, i in enumerate(group.indices):
+                flags[i] = group_flags[position]
+        stacked = jnp.stack(flags)
+        if axis_name is not None:
+            stacked = lax.pmin(stacked.astype(jnp.int32), axis_name) == 1
+        return stacked, stacked.all()
+
+    n = len(leaves)
+    return (*_skip_cond(all_cleared,
+                        lambda _: (jnp.ones((n,), jnp.bool_), jnp.asarray(True)), exact, None),
+            squares)
+
+
+def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
+           extra_args: dict) -> StepDecision:
+    n_leaves = len(jax.tree.leaves(grads))
+    if state.nonfinite_grads.shape[-1:] != (n_leaves,):
+        raise ValueError(
+            f"the gradients have {n_leaves} leaves but this optimizer state was initialised "
+            f"for {state.nonfinite_grads.shape[-1]} (with_loss_scaling sizes its per-leaf "
+            "diagnostics from the params given to `init`): pass gradients with the structure "
+            "of the params the state was initialised with.")
+    inverse = _reciprocal(state.scaler)
+    leaf_finite, grads_finite, squares = _finite_leaves(grads, inverse, options.axis_name)
+    grad_norm = jnp.sqrt(squares)
+    if inverse is not None:  # unscaled: by the reciprocal's two exact factors
+        grad_norm = (grad_norm * inverse.normal) * inverse.post
+    for name in GRADIENT_EXTRA_ARGS:
+        if extra_args.get(name) is not None:
+            grads_finite &= numerics.unscaled_finite_leaves(extra_args[name], inverse,
+                                                        options.axis_name)[1]
+    loss = extra_args.get("loss")
+    loss_finite = jnp.asarray(True)
+    if loss is not None:
+        loss_finite = jnp.isfinite(jnp.asarray(loss)).all()
+        if options.axis_name is not None:
+            loss_finite = lax.pmin(loss_finite.astype(jnp.int32), options.axis_name) == 1
+    healthy = state.failure == Failure.NONE
+    if isinstance(state.scaler, DynamicLossScale):  # a failed scaler restored into a fresh
+        healthy &= state.scaler.failure == Failure.NONE  # state: its own register counts
+    if inverse is not None:
+        healthy &= scalers.is_positive_normal(state.scaler.loss_scale)
+    return StepDecision(healthy & grads_finite & loss_finite, healthy, grads_finite, loss_finite,
+                  leaf_finite, grads, inverse, grad_norm)
+
+
+def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: Any,
+                decision: StepDecision) -> LossScalingState:
+    applied = decision.apply
+    failed_before = state.failure != Failure.NONE
+    if options.nonfinite_loss == "skip":
+        # The forward pass, not the scale, made the loss non-finite: leave the scale be.
+        # Eagerly too: a backoff discarded here must not raise (as under jit).
+        stepped_scaler = _stepped_scaler(state.scaler, decision.grads_finite)
+        stepped_scaler = optax.tree.where(decision.loss_finite, stepped_scaler, state.scaler)
+    else:
+        stepped_scaler = _stepped_scaler(state.scaler, decision.grads_finite & decision.loss_finite)
+    consecutive_skips = _count(state.consecutive_skips, applied, reset=True)
+
+    # The first failure wins and is kept; the scaler is frozen from then on.
+    scaler_failure = getattr(stepped_scaler, "failure", jnp.int32(Failure.NONE))
+    failure = scaler_failure
+    if not isinstance(state.scaler, NoOpLossScale):
+        failure = jnp.where(~scalers.is_positive_normal(state.scaler.loss_scale),
+                            Failure.INVALID_SCALE, failure)
+    if options.max_consecutive_skips is not None:
+        failure = jnp.where(
+            (failure == Failure.NONE) & (consecutive_skips >= options.max_consecutive_skips),
+            Failure.TOO_MANY_SKIPS, failure)
+    failure = jnp.where(failed_before, state.failure, failure).astype(jnp.int32)
+    fails = ~failed_before & (failure != Failure.NONE)
+    new_scaler = optax.tree.where(failed_before, state.scaler, stepped_scaler)
+
+    # Growths since the last overflow (the mis-use detector), and the underflow statistics.
+    grew = jnp.asarray(new_scaler.loss_scale) > jnp.asarray(state.scaler.loss_scale)
+    clean_growths = jnp.where(decision.grads_finite,
+                              state.clean_growths + grew.astype(jnp.int32), 0)
+    underflow = None
+    if state.underflow is not None:  # non-finite gradients have no fractions: keep the last
+        underflow = optax.tree.where(decision.grads_finite,
+                                     _underflow_stats(decision.grads, decision.inverse),
+                                     state.underflow)
+    # Flags of the last step skipped for its gradients; frozen once the run has failed.
+    keep_flags = applied | ~decision.healthy | decision.grads_finite
+    new_state = LossScalingState(
+        scaler=new_scaler,
+        inner_state=inner_state,
+        skipped_steps=_count(state.skipped_steps, applied, reset=False),
+        consecutive_skips=consecutive_skips,
+        last_step_finite=applied,
+        nonfinite_loss_steps=_count(state.nonfinite_loss_steps, decision.loss_finite, reset=False),
+        nonfinite_grads=jnp.where(keep_flags, state.nonfinite_grads, ~decision.leaf_finite),
+        failure=failure,
+        failure_skips=jnp.where(fails, consecutive_skips, state.failure_skips),
+        clean_growths=clean_growths,
+        underflow=underflow,
+        grad_norm=decision.grad_norm,
+    )
+    _report(options, new_state, fails, leaf_names(decision.grads))
+    return new_state
+
+
+def _report(options: WrapperOptions, state: LossScalingState, fails: jax.Array,
+            names: list[str]) -> None:
+    """Eagerly, raises a failure at once; under ``jit``, only with ``on_failure="raise"``."""
+    values = jax.tree.leaves(state)
+    if not any(isinstance(x, jax.core.Tracer) for x in values):
+        if np.any(np.asarray(state.failure)):
+            raise _errors.LossScaleError(failure_message(state, names))
+        return
+    if options.on_failure == "raise":
+        treedef = jax.tree.structure(state)
+        _errors.raise_in_graph(
+            fails, lambda *leaves: failure_message(jax.tree.unflatten(treedef, leaves), names),
+            *values)
+
+
+def _in_dtypes_of(new_state: Any, old_state: Any) -> Any:
+    """The inner state in the dtypes it came in, so that a skip can return the old one.
+
+    Only integer params change anything: optax's moments for an int32 param start as int32
+    and come back float32 (optax lets the dtype drift, which retraces a jitted step).
+    """
+    def same(new: Any, old: Any) -> Any:
+        # A Python scalar in the state (optax accepts any pytree, e.g. {"foo": 1}) has no
+        # dtype: it is held as the array the conditional makes of it.
+        dtype = jnp.result_type(old)
+        return new if jnp.result_type(new) == dtype else jnp.asarray(new).astype(dtype)
+
+    return jax.tree.map(same, new_state, old_state)
+
+
+def _resolve_skip(skip: SkipMode, fused: bool) -> Literal["cond", "select"]:
+    if skip != "auto":
+        return skip
+    # Measured in benchmarks/overhead.py (see docs/performance.md): the fused step is
+    # cheapest as a conditional everywhere. The plain step must hand its updates out of
+    # the decision; on GPU a select of them fused better than a conditional.
+    if fused or jax.default_backend() == "cpu":
+        return "cond"
+    return "select"
+
+
+def guarded_step(options: WrapperOptions, grads: Any, state: LossScalingState, params: Any,
+                 extra_args: dict[str, Any], *, fused: bool) -> tuple[Any, LossScalingState]:
+    """The one step of both paths: decide, then step or skip, then the next state.
+
+    ``fused=False`` (``update``) returns ``(updates, state)``, a skip's updates ``-0.0``;
+    ``fused=True`` (:func:`~loss_scaling.apply_gradients`) puts ``apply_updates`` under the
+    decision too and returns ``(params, state)``, a skip's params the given ones.
+    """
+    decision = decide(options, grads, state, extra_args)
+    inverse = decision.inverse
+
+    def step(operands: Any) -> Any:
+        grads, inner_state, params = operands
+        updates, new_inner = options.inner.update(
+            _unscale(grads, inverse), inner_state, params,
+            **_inner_extra_args(extra_args, inverse))
+        out = optax.apply_updates(params, updates) if fused else updates
+        return out, _in_dtypes_of(new_inner, inner_state)
+
+    operands = (grads, state.inner_state, params)
+    if _resolve_skip(options.skip, fused) == "select":
+        stepped, stepped_inner = step(operands)
+        skipped = params if fused else optax.tree.full_like(stepped, -0.0)
+        out = optax.tree.where(decision.apply, stepped, skipped)
+        new_inner = optax.tree.where(decision.apply, stepped_inner, state.inner_state)
+    elif fused:  # operands passed: XLA reuses the donated buffers
+        out, new_inner = _skip_cond(decision.apply, step, lambda ops: (ops[2], ops[1]),
+                                    operands)
+    else:
+        # The branches close over their inputs (operand None), as optax.apply_if_finite
+        # does: measured cheaper than passing them when the updates leave the decision.
+        def skip(_: Any) -> Any:
+            out_shapes = jax.eval_shape(step, operands)
+            return optax.tree.full_like(out_shapes[0], -0.0), state.inner_state
+
+        out, new_inner = _skip_cond(decision.apply, lambda _: step(operands), skip, None)
+    return out, _next_state(options, state, new_inner, decision)

@@ -1,0 +1,275 @@
+"""The Optax wrapper: unscale, test, skip or step, then update the loss scale.
+
+``with_loss_scaling(inner, scaler)`` takes the gradients of the *scaled* loss. One update:
+
+1. ``apply``: the state is healthy (no recorded failure, a positive normal scale) and,
+   per gradient leaf, every unscaled element is finite, read from the raw gradients in
+   one fused reduction per leaf (the unscaled tree is never materialized for the test);
+   AND-reduced over ``axis_name`` when given. With ``loss=...``, the loss must be finite
+   too; a ``grad=`` extra argument is checked (and unscaled) like the gradients.
+2. If ``apply``, unscale and run the inner update (so clipping in the inner chain sees
+   true gradients). If not, skip it: the inner state is returned untouched and the
+   updates are ``-0.0`` (``p + -0.0 == p`` bit for bit, ``-0.0`` params included).
+3. Update the loss scale, the counters and the per-leaf diagnostics, always. A failure
+   (a backoff out of the float32 range, ``max_consecutive_skips``, an invalid scale) is
+   recorded in the state, sticky: every later step is skipped, and
+   :func:`loss_scaling.check` raises it on the host. No host callback on the step.
+
+The fused :func:`apply_gradients` puts the inner update *and* ``apply_updates`` under
+one skip decision, so the updates tree never leaves it: the cheapest path (see the
+README's benchmark table).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+
+from loss_scaling import _errors
+from loss_scaling.core import update as scalers
+from loss_scaling.core import validation
+from loss_scaling.core.numerics import AxisName
+from loss_scaling.core.scalers import SCALER_TYPES, DynamicLossScale, LossScale
+from loss_scaling.wrapper.state import (
+    LossScalingState,
+    NonFiniteLoss,
+    SkipMode,
+    UnderflowStats,
+    WrapperOptions,
+    _fresh,
+    _refuse_dtypes_without_zero,
+    _warn_low_precision_state,
+    gradient_leaf_count,
+)
+from loss_scaling.wrapper.step import guarded_step
+
+__all__ = ["LossScalingTransformation", "apply_gradients", "with_loss_scaling"]
+
+
+class LossScalingTransformation(optax.GradientTransformationExtraArgs):
+    """The ``GradientTransformationExtraArgs`` returned by :func:`with_loss_scaling`.
+
+    An ordinary optax transformation (``init``, ``update``) that also carries what
+    :func:`apply_gradients` needs for the fused path.
+    """
+
+    # Set per instance: a NamedTuple subclass without __slots__ has a __dict__.
+    options: WrapperOptions
+
+
+def with_loss_scaling(
+    inner: optax.GradientTransformation,
+    scaler: LossScale | None = None,
+    *,
+    axis_name: AxisName = None,
+    skip: SkipMode = "auto",
+    on_failure: scalers.OnFailure = "record",
+    max_consecutive_skips: int | None = None,
+    nonfinite_loss: NonFiniteLoss = "backoff",
+    underflow_diagnostics: bool = False,
+    runtime_check: bool | None = None,
+) -> LossScalingTransformation:
+    """Wraps ``inner`` so that it takes gradients of the scaled loss and skips bad steps.
+
+    Each update unscales the gradients by the factor that scaled this step's loss, checks
+    them, runs ``inner`` only if every unscaled element is finite, and then updates the
+    loss scale. A skipped step leaves the inner state bit-identical and returns ``-0.0``
+    updates, so ``optax.apply_updates`` leaves every parameter bit-identical too. It never
+    gives up and applies a non-finite update, however many steps in a row are skipped.
+
+    Failures are fail-closed and cost nothing on healthy steps: a backoff below the normal
+    float32 range (without ``min_scale``), ``max_consecutive_skips`` reached, or a scale
+    that is not a positive normal float32 (an unvalidated restore) is recorded in the
+    state; from then on every step is skipped (params and inner state bit-identical, the
+    scale at its last valid value, the counters counting), and
+    :func:`loss_scaling.check` raises :class:`loss_scaling.LossScaleError` with the full
+    message on the host. Call it where you log. An eager (un-jitted) update raises at once.
+
+    Args:
+      inner: the optimizer to wrap (any optax transformation; extra arguments given to
+        ``update`` are forwarded to it, except ``loss=``, the wrapper's own: it is checked
+        and not forwarded, since optax's line searches, ``optax.lbfgs`` and
+        ``optax.contrib.sam`` refuse arguments they do not know; give an inner optimizer
+        the loss as ``value=``). ``grad=`` (as ``optax.lbfgs`` takes it) holds gradients
+        of the scaled loss too: it is unscaled and checked like them. Others (``value=``,
+        ``value_fn=``, ...) pass through untouched: give them unscaled.
+      scaler: the initial loss-scale state; ``DynamicLossScale()`` by default.
+      axis_name: inside ``pmap`` / ``shard_map``, the axis name (or names) over which the
+        finite flags are AND-reduced so that every replica skips together.
+      skip: how a skipped step is implemented: ``"cond"`` (a ``lax.cond`` around the
+        inner update), ``"select"`` (compute, then select), or ``"auto"`` (the one
+        measured faster for the path and backend, see the performance guide).
+      on_failure: ``"record"`` (the default: the failure is state, raised on the host by
+        :func:`loss_scaling.check`) or ``"raise"``: also raise at once, from a host
+        callback compiled into the step. Debugging only: any executable holding a
+        callback leaves JAX's fast dispatch path (every step pays about 1 ms of host
+        time), and a raise inside a donated step deletes the donated params and state.
+      max_consecutive_skips: optional guard for runs that cannot recover: after this many
+        consecutive skipped steps the run fails (as above) with the count, the scale and
+        the non-finite gradient leaves, instead of skipping forever. ``None`` (the
+        default) adds nothing to the step.
+      nonfinite_loss: what a non-finite ``loss`` passed to ``update(..., loss=loss)`` does.
+        It is not an overflow of the scaled gradients (the forward pass itself produced
+        inf/NaN), so ``"skip"`` skips the step and leaves the loss scale untouched, while
+        ``"backoff"`` (the default) treats it like a gradient overflow. Either way it is
+        counted in ``nonfinite_loss_steps``.
+      underflow_diagnostics: opt in to per-step underflow statistics
+        (:class:`UnderflowStats`, read through :func:`loss_scaling.metrics`): per gradient
+        leaf and overall, the fraction of entries that are exactly zero and the fraction
+        that are nonzero but below float16's smallest normal once unscaled. They tell
+        whether a model needs a larger scale (or none), and which layers underflow. One
+        fused reduction over the gradients; ``False`` (the default) compiles nothing.
+      runtime_check: deprecated; ``True`` is ``on_failure="raise"``, ``False`` the default.
+
+    Returns:
+      A :class:`LossScalingTransformation` (an ``optax.GradientTransformationExtraArgs``).
+
+    Raises:
+      ValueError: for an unknown ``skip``, ``on_failure`` or ``nonfinite_loss``, or a
+        ``max_consecutive_skips`` that is not a positive integer.
+      TypeError: if ``scaler`` is not a loss-scale state; from ``init``, if a params leaf
+        has a dtype without a zero (``float8_e8m0fnu``), which no skipped step can keep.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import loss_scaling as ls
+      >>> tx = ls.with_loss_scaling(optax.sgd(0.1), ls.DynamicLossScale(init_scale=8.0))
+      >>> params = {"w": jnp.array([1.0, 2.0])}
+      >>> opt_state = tx.init(params)
+      >>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)
+      >>> s = ls.get_loss_scale(opt_state)
+      >>> grads = jax.grad(lambda p: ls.scale(s, loss_fn(p)))(params)   # scaled by 8
+      >>> updates, opt_state = tx.update(grads, opt_state, params)
+      >>> optax.apply_updates(params, updates)["w"]
+      Array([0.8, 1.6], dtype=float32)
+      >>> bad = {"w": jnp.array([jnp.inf, 0.0])}
+      >>> updates, opt_state = tx.update(bad, opt_state, params)    # skipped
+      >>> optax.apply_updates(params, updates)["w"], float(ls.get_loss_scale(opt_state).loss_scale)
+      (Array([1., 2.], dtype=float32), 4.0)
+      >>> ls.check(opt_state)    # healthy: returns None
+    """
+    on_failure = scalers.resolve_on_failure(on_failure, runtime_check, "with_loss_scaling")
+    if skip not in ("auto", "cond", "select"):
+        raise ValueError(f"skip must be 'auto', 'cond' or 'select', got {skip!r}.")
+    if nonfinite_loss not in ("backoff", "skip"):
+        raise ValueError(f"nonfinite_loss must be 'backoff' or 'skip', got {nonfinite_loss!r}.")
+    if max_consecutive_skips is not None:
+        max_consecutive_skips = validation.positive_int32("max_consecutive_skips",
+                                                       max_consecutive_skips)
+    if scaler is None:
+        scaler = DynamicLossScale()
+    if not isinstance(scaler, SCALER_TYPES):
+        raise TypeError(
+            f"scaler must be a NoOpLossScale, StaticLossScale or DynamicLossScale, got {scaler!r}."
+        )
+    if isinstance(axis_name, list):
+        axis_name = tuple(axis_name)
+    inner = optax.with_extra_args_support(inner)
+    initial_scaler = scaler
+    options = WrapperOptions(inner=inner, axis_name=axis_name, skip=skip, on_failure=on_failure,
+                 max_consecutive_skips=max_consecutive_skips, nonfinite_loss=nonfinite_loss,
+                 underflow_diagnostics=bool(underflow_diagnostics))
+
+    def init_fn(params: optax.Params) -> LossScalingState:
+        _refuse_dtypes_without_zero(params)
+        inner_state = inner.init(params)
+        _warn_low_precision_state(params, inner_state)
+        n_grads = gradient_leaf_count(params)
+        return LossScalingState(
+            scaler=_fresh(initial_scaler),
+            inner_state=inner_state,
+            skipped_steps=jnp.zeros((), jnp.int32),
+            consecutive_skips=jnp.zeros((), jnp.int32),
+            last_step_finite=jnp.ones((), jnp.bool_),
+            nonfinite_loss_steps=jnp.zeros((), jnp.int32),
+            nonfinite_grads=jnp.zeros((n_grads,), jnp.bool_),
+            failure=jnp.zeros((), jnp.int32),
+            failure_skips=jnp.zeros((), jnp.int32),
+            clean_growths=jnp.zeros((), jnp.int32),
+            underflow=UnderflowStats(jnp.zeros((n_grads,), jnp.float32),
+                                     jnp.zeros((n_grads,), jnp.float32),
+                                     jnp.zeros((n_grads,), jnp.int32))
+            if underflow_diagnostics else None,
+            grad_norm=jnp.zeros((), jnp.float32),
+        )
+
+    def update_fn(
+        updates: optax.Updates,
+        state: LossScalingState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, LossScalingState]:
+        return guarded_step(options, updates, state, params, extra_args, fused=False)
+
+    tx = LossScalingTransformation(init_fn, update_fn)
+    tx.options = options
+    return tx
+
+
+def apply_gradients(
+    tx: optax.GradientTransformation,
+    grads: optax.Updates,
+    opt_state: optax.OptState,
+    params: optax.Params,
+    **extra_args: Any,
+) -> tuple[optax.Params, optax.OptState]:
+    """One optimizer step on scaled gradients: ``(params, opt_state) -> (params, opt_state)``.
+
+    When ``tx`` comes from :func:`with_loss_scaling`, the inner update *and*
+    ``optax.apply_updates`` run under one skip decision with the unscale inside it, so
+    neither the unscaled gradients nor the updates are ever materialized: the cheapest
+    step (one extra read of the gradients over a bare optimizer step). A skipped step
+    returns ``params`` itself. Any other ``tx`` falls back to ``tx.update`` followed by
+    ``optax.apply_updates``.
+
+    Args:
+      tx: the transformation (ideally the result of :func:`with_loss_scaling`).
+      grads: gradients of the scaled loss.
+      opt_state: ``tx``'s state.
+      params: the parameters.
+      **extra_args: forwarded to the inner update, except ``loss=``, which is checked
+        (see ``nonfinite_loss`` in :func:`with_loss_scaling`) and not forwarded; ``grad=``
+        is unscaled and checked.
+
+    Returns:
+      ``(new_params, new_opt_state)``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import loss_scaling as ls
+      >>> tx = ls.with_loss_scaling(optax.sgd(0.5), ls.StaticLossScale(4.0))
+      >>> params = jnp.array([1.0, -2.0])
+      >>> opt_state = tx.init(params)
+      >>> params, opt_state = ls.apply_gradients(tx, jnp.array([4.0, 4.0]), opt_state, params)
+      >>> params
+      Array([ 0.5, -2.5], dtype=float32)
+    """
+    options = getattr(tx, "options", None)
+    if not isinstance(options, WrapperOptions) or not isinstance(opt_state, LossScalingState):
+        _warn_if_fused_path_lost(tx, opt_state)
+        updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+        return optax.apply_updates(params, updates), opt_state
+    return guarded_step(options, grads, opt_state, params, extra_args, fused=True)
+
+
+FUSED_PATH_LOST = (
+    "apply_gradients: this optimizer state holds a with_loss_scaling state, but `tx` is not "
+    "the transformation with_loss_scaling returned (it is wrapped: optax.chain, "
+    "inject_hyperparams, ...), so the step takes the plain path (tx.update, then "
+    "apply_updates: about 2x slower than the fused step on CPU). For the fused step, put "
+    "the wrapper outermost: `ls.with_loss_scaling(optax.chain(...))`, "
+    "`ls.with_loss_scaling(optax.inject_hyperparams(optax.adam)(...))`."
+)
+
+
+def _warn_if_fused_path_lost(tx: Any, opt_state: Any) -> None:
+    """A :class:`LossScaleWarning` (once per call site) when ``tx`` hides a wrapper whose
+    state ``opt_state`` holds: the silent fallback to the plain path made visible."""
+    found = optax.tree_utils.tree_get_all_with_path(
+        opt_state, LossScalingState.__name__,
+        filtering=lambda _, value: isinstance(value, LossScalingState))
+    if found:
+        warnings.warn(FUSED_PATH_LOST, _errors.LossScaleWarning, stacklevel=3)
