@@ -137,6 +137,19 @@ def describe(x: Any) -> str:
     return f"an object of type {type(x).__module__}.{type(x).__qualname__}"
 
 
+SCALER_TOO_MANY_SKIPS = (
+    "the run stopped: the optimizer wrapper skipped max_consecutive_skips consecutive steps "
+    "(the loss scale is now {scale!r}) and recorded it in this loss scale, so a state saved "
+    "from it resumes failed too. `loss_scaling.check(opt_state, params)` names the "
+    "gradient leaves that were non-finite; `loss_scaling.find_overflow(loss_fn, *args)` "
+    "names the layer, op and line where the first inf/NaN appears."
+)
+
+
+def scaler_too_many_skips_message(scale: Any) -> str:
+    return SCALER_TOO_MANY_SKIPS.format(scale=_float(scale))
+
+
 def _float(x: Any) -> float:
     return float(np.asarray(x, np.float32))
 

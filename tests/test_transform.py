@@ -9,6 +9,7 @@ Every step runs eagerly, under ``jit`` and under ``jit`` with the opt_state and 
 from __future__ import annotations
 
 import functools
+import json
 import re
 from typing import Any
 
@@ -797,3 +798,32 @@ def test_the_default_fused_step_adds_a_fixed_number_of_kernels_whatever_the_leaf
     few, many = overhead(10), overhead(80)
     assert many - few <= 8, (few, many)
     assert few <= 60, few
+
+
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_too_many_skips_is_one_register_the_scaler_and_its_state_dict_carry_it(maybe_jit):
+    tx = ls.with_loss_scaling(optax.sgd(1.0), ls.DynamicLossScale(init_scale=2.0**10),
+                              max_consecutive_skips=2)
+    params = jnp.ones(2)
+    opt_state = tx.init(params)
+    step = maybe_jit(lambda g, s, p: tx.update(g, s, p)[1])
+    opt_state = step(jnp.array([NAN, 1.0]), opt_state, params)
+    if maybe_jit is jax.jit:
+        opt_state = step(jnp.array([NAN, 1.0]), opt_state, params)
+    else:
+        with pytest.raises(ls.LossScaleError, match="consecutive optimizer steps skipped"):
+            step(jnp.array([NAN, 1.0]), opt_state, params)
+        return
+    with pytest.raises(ls.LossScaleError, match="consecutive optimizer steps skipped"):
+        ls.check(opt_state)
+    scaler = ls.get_loss_scale(opt_state)
+    with pytest.raises(ls.LossScaleError, match="max_consecutive_skips"):
+        ls.check(scaler)   # the scaler alone says so too
+    saved = json.loads(json.dumps(ls.state_dict(scaler)))
+    assert saved["values"]["failure"] == ls.Failure.TOO_MANY_SKIPS
+    fresh = ls.restore_loss_scale(tx.init(params), saved)
+    with pytest.raises(ls.LossScaleError):   # the restored run is still failed
+        ls.check(fresh)
+    fused = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
+    new_params, _ = fused(jnp.ones(2), fresh, params)
+    chex.assert_trees_all_equal(new_params, params)   # and skips every step

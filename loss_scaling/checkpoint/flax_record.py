@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loss_scaling._errors import Failure, show
-from loss_scaling.checkpoint._values import _F32
+from loss_scaling._errors import show
 from loss_scaling.checkpoint.state_dict import _concrete, _host_array
 from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from loss_scaling.core.validation import counter_ranges, scale_range
 from loss_scaling.wrapper.state import LossScalingState
 
 PRE_LOSS_SCALING = (
@@ -152,40 +152,42 @@ def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
             "axis: replicate the target with flax.jax_utils.replicate, or save one replica).")
     dtype = np.int32 if integer else np.float32
     if integer:
-        assert isinstance(target, DynamicLossScale)  # the only kind with integer leaves
-        config = target.config
-        high = {"growth_tracker": config.growth_interval - 1,
-                "nonfinite_tracker": config.hysteresis}.get(name, max(Failure))
-        if not (array.min(initial=0) >= 0 and array.max(initial=0) <= high):
-            raise _flax_error(
-                f"{name} must lie in [0, {high}] for the target's configuration, got "
-                f"{show(value)}. If the saved configuration differs, restore the saved "
-                "state with its own configuration and adopt the new one with "
-                "`loss_scaling.restore_with_config`.")
+        _check_counter(target, name, array, value)
     else:
-        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-            as_f32 = array.astype(np.float32)
-        low = float(_F32.tiny)
-        high_scale = float(_F32.max)
-        if isinstance(target, DynamicLossScale):
-            low = max(low, target.min_scale or low)
-            high_scale = min(high_scale, target.max_scale or high_scale)
-        if not np.all(np.isfinite(as_f32) & (as_f32 >= low) & (as_f32 <= high_scale)):
-            raise _flax_error(
-                f"loss_scale must be a finite, positive, normal float32 in [{low!r}, "
-                f"{high_scale!r}] (the target's range), got {show(value)}.")
-        if isinstance(target, StaticLossScale) and _concrete(target_leaf):
-            configured = _host_array(target_leaf).astype(np.float32)
-            if not np.array_equal(as_f32, configured):
-                raise _flax_error(
-                    f"loss_scale: saved {show(as_f32.tolist())}, the target's "
-                    f"StaticLossScale factor is {show(configured.tolist())}. A static "
-                    "factor is configuration: build the target with the saved factor, or "
-                    "restore into a placeholder (`jax.tree.map(lambda _: None, target)`) and "
-                    "adopt the new one with `loss_scaling.restore_with_config`.")
+        _check_scale(target, target_leaf, array, value)
     if isinstance(value, jax.Array) and value.dtype == dtype:
         return value
     return jnp.asarray(array.astype(dtype))
+
+
+def _check_counter(target: LossScale, name: str, array: np.ndarray, value: Any) -> None:
+    assert isinstance(target, DynamicLossScale)  # the only kind with integer leaves
+    low, high, _ = counter_ranges(target.config)[name]
+    if not (array.min(initial=low) >= low and array.max(initial=low) <= high):
+        raise _flax_error(
+            f"{name} must lie in [{low}, {high}] for the target's configuration, got "
+            f"{show(value)}. If the saved configuration differs, restore the saved "
+            "state with its own configuration and adopt the new one with "
+            "`loss_scaling.restore_with_config`.")
+
+
+def _check_scale(target: LossScale, target_leaf: Any, array: np.ndarray, value: Any) -> None:
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        as_f32 = array.astype(np.float32)
+    low, high = scale_range(target.config if isinstance(target, DynamicLossScale) else None)
+    if not np.all(np.isfinite(as_f32) & (as_f32 >= low) & (as_f32 <= high)):
+        raise _flax_error(
+            f"loss_scale must be a finite, positive, normal float32 in [{low!r}, "
+            f"{high!r}] (the target's range), got {show(value)}.")
+    if isinstance(target, StaticLossScale) and _concrete(target_leaf):
+        configured = _host_array(target_leaf).astype(np.float32)
+        if not np.array_equal(as_f32, configured):
+            raise _flax_error(
+                f"loss_scale: saved {show(as_f32.tolist())}, the target's "
+                f"StaticLossScale factor is {show(configured.tolist())}. A static "
+                "factor is configuration: build the target with the saved factor, or "
+                "restore into a placeholder (`jax.tree.map(lambda _: None, target)`) and "
+                "adopt the new one with `loss_scaling.restore_with_config`.")
 
 
 def _flax_from_state_dict(target: LossScale, state: Any) -> LossScale:

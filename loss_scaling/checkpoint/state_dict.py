@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loss_scaling._errors import Failure, show
+from loss_scaling._errors import show
 from loss_scaling.checkpoint._values import (
     _CONFIG_KEYS,
     _INVALID,
@@ -29,6 +30,7 @@ from loss_scaling.checkpoint._values import (
 from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from loss_scaling.core.validation import (
     DynamicConfig,
+    counter_ranges,
     positive_int32,
     validate_dynamic_config,
 )
@@ -61,7 +63,12 @@ def _parse(d: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
     loss_scale = _scale("values.loss_scale", raw_values["loss_scale"])
     if kind == "static":
         return kind, None, {"loss_scale": loss_scale}
+    return (kind, *_parse_dynamic(raw_config, raw_values, loss_scale))
 
+
+def _parse_dynamic(raw_config: Mapping[str, Any], raw_values: Mapping[str, Any],
+                   loss_scale: float) -> tuple[DynamicConfig, dict[str, Any]]:
+    """The config and values of a dynamic state dict (its keys already checked)."""
     # Each field on its own first, so that the message names the one at fault.
     factors = {k: _exact_float32(f"config.{k}", _number(f"config.{k}", raw_config[k]))
                for k in ("growth_factor", "backoff_factor")}
@@ -88,23 +95,11 @@ def _parse(d: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
             init_scale=loss_scale, **factors, **ints, **bounds)
     except ValueError as error:  # names the argument (growth_factor, backoff_factor)
         raise ValueError(f"{_INVALID}config.{error}") from None
-    growth_tracker = _in_range(
-        "values.growth_tracker",
-        _integer("values.growth_tracker", raw_values["growth_tracker"]),
-        0, config.growth_interval - 1, "config.growth_interval - 1")
-    nonfinite_tracker = _in_range(
-        "values.nonfinite_tracker",
-        _integer("values.nonfinite_tracker", raw_values["nonfinite_tracker"]),
-        0, config.hysteresis, "config.hysteresis")
-    failure = _in_range(
-        "values.failure", _integer("values.failure", raw_values.get("failure", 0)),
-        0, max(Failure), "the largest loss_scaling.Failure code")
-    return kind, config, {
-        "loss_scale": loss_scale,
-        "growth_tracker": growth_tracker,
-        "nonfinite_tracker": nonfinite_tracker,
-        "failure": failure,
-    }
+    counters = {}
+    for name, (low, high, bound) in counter_ranges(config).items():  # failure: optional
+        value = _integer(f"values.{name}", raw_values.get(name, 0))
+        counters[name] = _in_range(f"values.{name}", value, low, high, bound)
+    return config, {"loss_scale": loss_scale, **counters}
 
 
 def _build(kind: str, config: DynamicConfig | None, values: dict[str, Any]) -> LossScale:

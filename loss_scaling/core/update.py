@@ -136,6 +136,8 @@ def failure_message(scaler: DynamicLossScale | StaticLossScale) -> str:
     if code == Failure.BACKOFF_UNDERFLOW:
         assert isinstance(scaler, DynamicLossScale)
         return _errors.backoff_underflow_message(scaler.loss_scale, scaler.config.backoff_factor)
+    if code == Failure.TOO_MANY_SKIPS:  # written by the wrapper (one register)
+        return _errors.scaler_too_many_skips_message(scaler.loss_scale)
     return _errors.invalid_scale_message(scaler.loss_scale)
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loss_scaling._errors import show
+from loss_scaling._errors import Failure, show
 
 _F32 = np.finfo(np.float32)
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -132,3 +132,23 @@ def validate_dynamic_config(
         raise ValueError(
             f"max_scale ({max_scale!r}) must not be below init_scale ({init_scale!r}).")
     return config, init
+
+
+def scale_range(config: DynamicConfig | None) -> tuple[float, float]:
+    """``[low, high]`` for a loss scale under ``config`` (``None`` for a static scale):
+    float32's normal range, narrowed by ``min_scale`` / ``max_scale``. The one statement
+    of the range, for construction, state dicts, flax records and restores."""
+    low, high = float(_F32.tiny), float(_F32.max)
+    if config is not None:
+        low = max(low, config.min_scale or low)
+        high = min(high, config.max_scale or high)
+    return low, high
+
+
+def counter_ranges(config: DynamicConfig) -> dict[str, tuple[int, int, str]]:
+    """Per integer leaf of a dynamic state, ``(low, high, how high is named)``."""
+    return {
+        "growth_tracker": (0, config.growth_interval - 1, "config.growth_interval - 1"),
+        "nonfinite_tracker": (0, config.hysteresis, "config.hysteresis"),
+        "failure": (0, int(max(Failure)), "the largest loss_scaling.Failure code"),
+    }

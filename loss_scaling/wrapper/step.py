@@ -123,8 +123,11 @@ def _inner_extra_args(extra_args: dict[str, Any],
 
 
 class StepDecision(NamedTuple):
+    """What :func:`decide` read from one step's gradients and state, before the step."""
+
     apply: jax.Array  # run the inner step
     healthy: jax.Array  # no recorded failure and a usable scale
+    valid_scale: jax.Array  # the scale is a positive normal float32 (checked once a step)
     grads_finite: jax.Array
     loss_finite: jax.Array
     leaf_finite: jax.Array  # one flag per gradient leaf
@@ -223,38 +226,29 @@ def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
     healthy = state.failure == Failure.NONE
     if isinstance(state.scaler, DynamicLossScale):  # a failed scaler restored into a fresh
         healthy &= state.scaler.failure == Failure.NONE  # state: its own register counts
+    valid_scale = jnp.asarray(True)
     if inverse is not None:
-        healthy &= scalers.is_positive_normal(state.scaler.loss_scale)
-    return StepDecision(healthy & grads_finite & loss_finite, healthy, grads_finite, loss_finite,
-                  leaf_finite, grads, inverse, grad_norm)
+        valid_scale = scalers.is_positive_normal(state.scaler.loss_scale)
+    healthy &= valid_scale
+    return StepDecision(healthy & grads_finite & loss_finite, healthy, valid_scale,
+                        grads_finite, loss_finite, leaf_finite, grads, inverse, grad_norm)
 
 
 def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: Any,
                 decision: StepDecision) -> LossScalingState:
     applied = decision.apply
-    failed_before = state.failure != Failure.NONE
     if options.nonfinite_loss == "skip":
         # The forward pass, not the scale, made the loss non-finite: leave the scale be.
         # Eagerly too: a backoff discarded here must not raise (as under jit).
         stepped_scaler = _stepped_scaler(state.scaler, decision.grads_finite)
         stepped_scaler = optax.tree.where(decision.loss_finite, stepped_scaler, state.scaler)
     else:
-        stepped_scaler = _stepped_scaler(state.scaler, decision.grads_finite & decision.loss_finite)
+        stepped_scaler = _stepped_scaler(state.scaler,
+                                         decision.grads_finite & decision.loss_finite)
     consecutive_skips = _count(state.consecutive_skips, applied, reset=True)
 
-    # The first failure wins and is kept; the scaler is frozen from then on.
-    scaler_failure = getattr(stepped_scaler, "failure", jnp.int32(Failure.NONE))
-    failure = scaler_failure
-    if not isinstance(state.scaler, NoOpLossScale):
-        failure = jnp.where(~scalers.is_positive_normal(state.scaler.loss_scale),
-                            Failure.INVALID_SCALE, failure)
-    if options.max_consecutive_skips is not None:
-        failure = jnp.where(
-            (failure == Failure.NONE) & (consecutive_skips >= options.max_consecutive_skips),
-            Failure.TOO_MANY_SKIPS, failure)
-    failure = jnp.where(failed_before, state.failure, failure).astype(jnp.int32)
-    fails = ~failed_before & (failure != Failure.NONE)
-    new_scaler = optax.tree.where(failed_before, state.scaler, stepped_scaler)
+    failure, fails, new_scaler = _next_failure(options, state, stepped_scaler,
+                                               consecutive_skips, decision.valid_scale)
 
     # Growths since the last overflow (the mis-use detector), and the underflow statistics.
     grew = jnp.asarray(new_scaler.loss_scale) > jnp.asarray(state.scaler.loss_scale)
@@ -273,7 +267,8 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
         skipped_steps=_count(state.skipped_steps, applied, reset=False),
         consecutive_skips=consecutive_skips,
         last_step_finite=applied,
-        nonfinite_loss_steps=_count(state.nonfinite_loss_steps, decision.loss_finite, reset=False),
+        nonfinite_loss_steps=_count(state.nonfinite_loss_steps, decision.loss_finite,
+                                    reset=False),
         nonfinite_grads=jnp.where(keep_flags, state.nonfinite_grads, ~decision.leaf_finite),
         failure=failure,
         failure_skips=jnp.where(fails, consecutive_skips, state.failure_skips),
@@ -283,6 +278,33 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
     )
     _report(options, new_state, fails, leaf_names(decision.grads))
     return new_state
+
+
+def _next_failure(options: WrapperOptions, state: LossScalingState, stepped_scaler: LossScale,
+                  consecutive_skips: jax.Array,
+                  valid_scale: jax.Array) -> tuple[jax.Array, jax.Array, LossScale]:
+    """The failure code after this step, whether it is new, and the scaler to keep.
+
+    The first failure wins and is kept; the scaler is frozen from then on. One register:
+    the wrapper's code is also written into a dynamic scaler's own ``failure``, so that
+    ``ls.check(scaler)`` and the scaler's state dict carry a ``TOO_MANY_SKIPS`` too (a
+    restore of that JSON does not heal the run).
+    """
+    failed_before = state.failure != Failure.NONE
+    failure = getattr(stepped_scaler, "failure", jnp.int32(Failure.NONE))
+    failure = jnp.where(valid_scale, failure, Failure.INVALID_SCALE)
+    if options.max_consecutive_skips is not None:
+        failure = jnp.where(
+            (failure == Failure.NONE) & (consecutive_skips >= options.max_consecutive_skips),
+            Failure.TOO_MANY_SKIPS, failure)
+    failure = jnp.where(failed_before, state.failure, failure).astype(jnp.int32)
+    fails = ~failed_before & (failure != Failure.NONE)
+    new_scaler = optax.tree.where(failed_before, state.scaler, stepped_scaler)
+    if isinstance(new_scaler, DynamicLossScale):
+        new_scaler = DynamicLossScale._from_parts(new_scaler.config, (
+            new_scaler.loss_scale, new_scaler.growth_tracker, new_scaler.nonfinite_tracker,
+            jnp.where(new_scaler.failure == Failure.NONE, failure, new_scaler.failure)))
+    return failure, fails, new_scaler
 
 
 def _report(options: WrapperOptions, state: LossScalingState, fails: jax.Array,
