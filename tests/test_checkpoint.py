@@ -958,8 +958,7 @@ def test_the_documented_list_of_configuration_checked_options_is_the_codes():
     assert config == set(serialization._CONFIG_KEYS["dynamic"])   # the code's one list
     assert checked == config | {"StaticLossScale"}
     wrapper_options = {name for name, p in inspect.signature(
-        ls.with_loss_scaling).parameters.items() if p.kind is p.KEYWORD_ONLY} - {
-        "runtime_check"}   # deprecated
+        ls.with_loss_scaling).parameters.items() if p.kind is p.KEYWORD_ONLY}
     assert unchecked == {"init_scale", "with_loss_scaling"} | wrapper_options
     assert set(inspect.signature(ls.DynamicLossScale).parameters) == config | {"init_scale"}
     # What the table says is unchecked really is: a restore accepts a change of it.

@@ -14,6 +14,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -657,15 +658,12 @@ def test_on_failure_raise_raises_from_the_compiled_step():
     assert float(out.loss_scale) == TINY
 
 
-def test_runtime_check_is_deprecated_and_maps_onto_on_failure():
+def test_the_pre_release_runtime_check_keyword_is_gone_and_on_failure_is_checked():
     s = ls.DynamicLossScale(init_scale=TINY)
-    with pytest.warns(DeprecationWarning, match="on_failure='raise'"):
-        step = jax.jit(lambda s, f: ls.update(s, f, runtime_check=True))
-        with pytest.raises(jax.errors.JaxRuntimeError, match="loss scale"):
-            jax.block_until_ready(step(s, jnp.asarray(False)))
-    with pytest.warns(DeprecationWarning, match="runtime_check"):
-        out = jax.jit(lambda s, f: ls.update(s, f, runtime_check=False))(s, jnp.asarray(False))
-    assert int(out.failure) == ls.Failure.BACKOFF_UNDERFLOW
+    with pytest.raises(TypeError, match="runtime_check"):
+        ls.update(s, False, runtime_check=True)
+    with pytest.raises(TypeError, match="runtime_check"):
+        ls.with_loss_scaling(optax.sgd(1.0), runtime_check=False)
     with pytest.raises(ValueError, match="on_failure must be 'record'.*got 'loud'"):
         ls.update(s, True, on_failure="loud")
 
@@ -868,3 +866,16 @@ def test_one_above_the_counter_range_is_refused_naming_argument_value_and_range(
     d["config"][name] = INT32_MAX + 1
     with pytest.raises(ValueError, match=f"config.{message}"):
         ls.from_state_dict(d)
+
+
+def test_a_pickle_of_a_three_leaf_dynamic_state_is_refused_not_completed():
+    """The pre-release 3-leaf form (before ``failure``) is gone: 0.1.0 always had 4."""
+    import pickle
+
+    s = ls.DynamicLossScale(init_scale=8.0)
+    reduce_fn, (cls, aux, children) = s.__reduce__()
+    assert_restored = reduce_fn(cls, aux, children)
+    assert float(assert_restored.loss_scale) == 8.0
+    with pytest.raises(ValueError):
+        reduce_fn(cls, aux, children[:3])
+    assert float(pickle.loads(pickle.dumps(s)).loss_scale) == 8.0

@@ -859,13 +859,21 @@ def test_flax_restore_refuses_a_different_static_factor_and_accepts_a_placeholde
     assert float(flax.serialization.from_bytes(placeholder, data)["scaler"].loss_scale) == 128.0
 
 
-def test_flax_bytes_written_before_the_record_still_restore():
+@pytest.mark.parametrize("with_failure", [False, True])
+def test_flax_leaves_by_name_with_values_are_refused_only_the_record_restores(with_failure):
+    """Bytes with named leaves and values (pre-release, before the CRC record) are no
+    longer read: 0.1.0 was never released without the record."""
     s = saved_state()
     old_dict = {"loss_scale": np.asarray(s.loss_scale), "growth_tracker": np.int32(3),
-                "nonfinite_tracker": np.int32(0)}          # no `failure`, no record
+                "nonfinite_tracker": np.int32(0)}          # no record
+    if with_failure:
+        old_dict["failure"] = np.int32(0)
     old_bytes = flax.serialization.msgpack_serialize({"scaler": old_dict})
-    restored = flax.serialization.from_bytes({"scaler": target()}, old_bytes)["scaler"]
-    assert_bit_identical(restored, s)
+    with pytest.raises(ValueError, match="checked record"):
+        flax.serialization.from_bytes({"scaler": target()}, old_bytes)
+    restored = flax.serialization.from_bytes({"scaler": target()},
+                                             flax.serialization.to_bytes({"scaler": s}))
+    assert_bit_identical(restored["scaler"], s)
 
 
 def flip(data: bytes, bit: int) -> bytes:

@@ -332,8 +332,6 @@ def test_on_failure_raise_is_the_opt_in_callback(path):
     step = jax.jit(STEPS[path](tx))
     with pytest.raises(jax.errors.JaxRuntimeError, match="loss scale backoff failed"):
         jax.block_until_ready(step(jnp.array([NAN, 1.0]), opt_state, params))
-    with pytest.warns(DeprecationWarning, match="runtime_check"):
-        ls.with_loss_scaling(optax.sgd(1.0), runtime_check=False)
 
 
 def test_optax_apply_if_finite_applies_a_non_finite_update_we_never_do():

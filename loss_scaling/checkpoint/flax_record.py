@@ -35,7 +35,6 @@ _FLAX_LEAVES = {
     StaticLossScale: ("loss_scale",),
     DynamicLossScale: ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure"),
 }
-_FLAX_OPTIONAL = ("failure",)  # absent from bytes written before failures were recorded
 
 # The checked record that flax.serialization stores for a static or dynamic scaler:
 #   magic b"LSR1" | kind u8 (1 static, 2 dynamic) | ndim u8 | dims u32[ndim] |
@@ -199,15 +198,22 @@ def _flax_from_state_dict(target: LossScale, state: Any) -> LossScale:
         raise _flax_error(f"{type(error).__name__}: {show(str(error))}") from None
 
 
+NOT_A_RECORD = (
+    "the bytes hold the loss-scale leaves by name, with values, where this version writes "
+    "a checked record (values, shape, CRC-32): only placeholders (None, ShapeDtypeStruct) "
+    "are stored by name. Save the state again with this version of loss_scaling.")
+
+
+def _placeholder(value: Any) -> bool:
+    return value is None or isinstance(value, (jax.ShapeDtypeStruct, jax.core.Tracer))
+
+
 def _flax_restore(target: LossScale, state: Any) -> LossScale:
     names = _FLAX_LEAVES[type(target)]
     if isinstance(state, (bytes, bytearray, memoryview)) and names:
         state = _read_record(target, bytes(state))
-    elif names and isinstance(state, Mapping) and set(names) - set(state) <= set(_FLAX_OPTIONAL):
-        # Bytes written before the checked record (no CRC: the values are range-checked).
-        if "failure" in names and "failure" not in state:
-            shape = np.shape(np.asarray(state.get("loss_scale", 0)))
-            state = {"failure": np.zeros(shape, np.int32), **state}
+    elif names and isinstance(state, Mapping) and not all(map(_placeholder, state.values())):
+        raise _flax_error(NOT_A_RECORD)
     if not isinstance(state, Mapping) or set(state) != set(names):
         got = sorted(map(show, state)) if isinstance(state, Mapping) else show(state)
         raise _flax_error(f"expected {'the checked record of' if names else 'a dict with'} "

@@ -192,11 +192,8 @@ class DynamicLossScale:
     def _from_parts(cls, config: DynamicConfig, leaves: tuple[Any, ...]) -> DynamicLossScale:
         """Rebuilds a state without validation (unflatten, serialization after checks).
 
-        ``leaves`` are ``(loss_scale, growth_tracker, nonfinite_tracker[, failure])``; a
-        missing ``failure`` (a state saved before it existed) is healthy.
+        ``leaves`` are ``(loss_scale, growth_tracker, nonfinite_tracker, failure)``.
         """
-        if len(leaves) == len(_DYNAMIC_LEAVES) - 1:
-            leaves = (*leaves, jnp.zeros((), jnp.int32))
         self = object.__new__(cls)
         object.__setattr__(self, "config", config)
         for name, leaf in zip(_DYNAMIC_LEAVES, leaves, strict=True):

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Literal
 
 import jax
@@ -112,16 +111,8 @@ def is_positive_normal(scale: Any) -> jax.Array:
 OnFailure = Literal["record", "raise"]
 
 
-def resolve_on_failure(on_failure: Any, runtime_check: bool | None, where: str) -> OnFailure:
-    """Checks ``on_failure``; maps the deprecated ``runtime_check`` onto it, with a warning."""
-    if runtime_check is not None:
-        warnings.warn(
-            f"{where}(runtime_check=...) is deprecated: failures are now recorded in the state "
-            "(check them on the host with `loss_scaling.check(state)`). Use "
-            "on_failure='raise' for the immediate host-callback raise runtime_check=True "
-            "gave, or leave the default on_failure='record'.",
-            DeprecationWarning, stacklevel=3)
-        on_failure = "raise" if runtime_check else "record"
+def resolve_on_failure(on_failure: Any) -> OnFailure:
+    """Checks ``on_failure``."""
     if on_failure not in ("record", "raise"):
         raise ValueError(
             f"on_failure must be 'record' (the default: the failure is kept in the state and "
@@ -146,7 +137,6 @@ def update(
     grads_finite: Any,
     *,
     on_failure: OnFailure = "record",
-    runtime_check: bool | None = None,
 ) -> LossScale:
     """Returns the state for the next step, given whether this step's gradients were finite.
 
@@ -168,7 +158,6 @@ def update(
         once from a host callback when the state fails. Debugging only: any executable
         holding a callback leaves JAX's fast dispatch path (about 1 ms of host time per
         step, see the README), and a raise inside a donated step deletes its inputs.
-      runtime_check: deprecated; ``True`` is ``on_failure="raise"``, ``False`` the default.
 
     Returns:
       The new state, of the same kind and configuration.
@@ -191,7 +180,7 @@ def update(
       >>> float(failed.loss_scale), int(failed.failure)
       (1.1754943508222875e-38, 1)
     """
-    on_failure = resolve_on_failure(on_failure, runtime_check, "update")
+    on_failure = resolve_on_failure(on_failure)
     if isinstance(state, (NoOpLossScale, StaticLossScale)):
         _as_finite_flag(grads_finite)
         return state

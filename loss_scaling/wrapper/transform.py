@@ -70,7 +70,6 @@ def with_loss_scaling(
     max_consecutive_skips: int | None = None,
     nonfinite_loss: NonFiniteLoss = "backoff",
     underflow_diagnostics: bool = False,
-    runtime_check: bool | None = None,
 ) -> LossScalingTransformation:
     """Wraps ``inner`` so that it takes gradients of the scaled loss and skips bad steps.
 
@@ -122,7 +121,6 @@ def with_loss_scaling(
         that are nonzero but below float16's smallest normal once unscaled. They tell
         whether a model needs a larger scale (or none), and which layers underflow. One
         fused reduction over the gradients; ``False`` (the default) compiles nothing.
-      runtime_check: deprecated; ``True`` is ``on_failure="raise"``, ``False`` the default.
 
     Returns:
       A :class:`LossScalingTransformation` (an ``optax.GradientTransformationExtraArgs``).
@@ -151,7 +149,7 @@ def with_loss_scaling(
       (Array([1., 2.], dtype=float32), 4.0)
       >>> ls.check(opt_state)    # healthy: returns None
     """
-    on_failure = scalers.resolve_on_failure(on_failure, runtime_check, "with_loss_scaling")
+    on_failure = scalers.resolve_on_failure(on_failure)
     if skip not in ("auto", "cond", "select"):
         raise ValueError(f"skip must be 'auto', 'cond' or 'select', got {skip!r}.")
     if nonfinite_loss not in ("backoff", "skip"):
