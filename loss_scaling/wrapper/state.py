@@ -152,6 +152,28 @@ class WrapperOptions(NamedTuple):
     underflow_diagnostics: bool
 
 
+def initial_state(scaler: LossScale, inner_state: Any, n_grads: int,
+                  underflow_diagnostics: bool) -> LossScalingState:
+    """The state ``init`` returns: every leaf with an explicit dtype."""
+    return LossScalingState(
+        scaler=scaler,
+        inner_state=inner_state,
+        skipped_steps=jnp.zeros((), jnp.int32),
+        consecutive_skips=jnp.zeros((), jnp.int32),
+        last_step_finite=jnp.ones((), jnp.bool_),
+        nonfinite_loss_steps=jnp.zeros((), jnp.int32),
+        nonfinite_grads=jnp.zeros((n_grads,), jnp.bool_),
+        failure=jnp.zeros((), jnp.int32),
+        failure_skips=jnp.zeros((), jnp.int32),
+        clean_growths=jnp.zeros((), jnp.int32),
+        underflow=UnderflowStats(jnp.zeros((n_grads,), jnp.float32),
+                                 jnp.zeros((n_grads,), jnp.float32),
+                                 jnp.zeros((n_grads,), jnp.int32))
+        if underflow_diagnostics else None,
+        grad_norm=jnp.zeros((), jnp.float32),
+    )
+
+
 def gradient_leaf_count(params: Any) -> int:
     """How many gradient leaves an update receives for ``params``.
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import jax.numpy as jnp
 import optax
 
 from loss_scaling import _errors
@@ -37,12 +36,12 @@ from loss_scaling.wrapper.state import (
     LossScalingState,
     NonFiniteLoss,
     SkipMode,
-    UnderflowStats,
     WrapperOptions,
     _fresh,
     _refuse_dtypes_without_zero,
     _warn_low_precision_state,
     gradient_leaf_count,
+    initial_state,
 )
 from loss_scaling.wrapper.step import guarded_step
 
@@ -167,32 +166,17 @@ def with_loss_scaling(
         axis_name = tuple(axis_name)
     inner = optax.with_extra_args_support(inner)
     initial_scaler = scaler
-    options = WrapperOptions(inner=inner, axis_name=axis_name, skip=skip, on_failure=on_failure,
-                 max_consecutive_skips=max_consecutive_skips, nonfinite_loss=nonfinite_loss,
-                 underflow_diagnostics=bool(underflow_diagnostics))
+    options = WrapperOptions(
+        inner=inner, axis_name=axis_name, skip=skip, on_failure=on_failure,
+        max_consecutive_skips=max_consecutive_skips, nonfinite_loss=nonfinite_loss,
+        underflow_diagnostics=bool(underflow_diagnostics))
 
     def init_fn(params: optax.Params) -> LossScalingState:
         _refuse_dtypes_without_zero(params)
         inner_state = inner.init(params)
         _warn_low_precision_state(params, inner_state)
-        n_grads = gradient_leaf_count(params)
-        return LossScalingState(
-            scaler=_fresh(initial_scaler),
-            inner_state=inner_state,
-            skipped_steps=jnp.zeros((), jnp.int32),
-            consecutive_skips=jnp.zeros((), jnp.int32),
-            last_step_finite=jnp.ones((), jnp.bool_),
-            nonfinite_loss_steps=jnp.zeros((), jnp.int32),
-            nonfinite_grads=jnp.zeros((n_grads,), jnp.bool_),
-            failure=jnp.zeros((), jnp.int32),
-            failure_skips=jnp.zeros((), jnp.int32),
-            clean_growths=jnp.zeros((), jnp.int32),
-            underflow=UnderflowStats(jnp.zeros((n_grads,), jnp.float32),
-                                     jnp.zeros((n_grads,), jnp.float32),
-                                     jnp.zeros((n_grads,), jnp.int32))
-            if underflow_diagnostics else None,
-            grad_norm=jnp.zeros((), jnp.float32),
-        )
+        return initial_state(_fresh(initial_scaler), inner_state,
+                             gradient_leaf_count(params), bool(underflow_diagnostics))
 
     def update_fn(
         updates: optax.Updates,
