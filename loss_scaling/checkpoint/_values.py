@@ -57,7 +57,7 @@ def _mapping(name: str | None, value: Any, keys: tuple[str, ...],
     what = "the state dict" if name is None else name
     prefix = "" if name is None else f"{name}."
     if not isinstance(value, Mapping):
-        raise ValueError(
+        raise InvalidStateDict(
             f"{_INVALID}{what} must be a dict, got {show(value)} of type "
             f"{type(value).__name__}."
         )
@@ -70,7 +70,7 @@ def _mapping(name: str | None, value: Any, keys: tuple[str, ...],
             problems.append("missing key(s) " + ", ".join(missing))
         if extra:
             problems.append("unexpected key(s) " + ", ".join(extra))
-        raise ValueError(
+        raise InvalidStateDict(
             f"{_INVALID}{what}: {'; '.join(problems)}. It must have exactly the keys "
             f"{list(keys)}."
         )
@@ -84,11 +84,11 @@ def _scalar_item(name: str, value: Any) -> Any:
     which numpy counts as integers) are refused: ``.item()`` would turn them into numbers.
     """
     if isinstance(value, jax.core.Tracer):
-        raise ValueError(f"{_INVALID}{name} must be a concrete number, got a traced value.")
+        raise InvalidStateDict(f"{_INVALID}{name} must be a concrete number, got a traced value.")
     dtype = getattr(value, "dtype", None)
     if isinstance(dtype, np.dtype) and not (
             dtype.kind in "biufc" or jnp.issubdtype(dtype, jnp.floating)):
-        raise ValueError(
+        raise InvalidStateDict(
             f"{_INVALID}{name} must be a number, got {show(value)} of dtype {dtype}.")
     if isinstance(value, (np.ndarray, jax.Array)) and value.shape == ():
         return value.item()
@@ -101,14 +101,14 @@ def _number(name: str, value: Any) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(
         value, (int, float, np.integer, np.floating)
     ):
-        raise ValueError(
+        raise InvalidStateDict(
             f"{_INVALID}{name} must be a number, got {show(value)} of type "
             f"{type(value).__name__}."
         )
     try:
         return float(value)
     except OverflowError:
-        raise ValueError(
+        raise InvalidStateDict(
             f"{_INVALID}{name} must be a finite number, got {show(value)}."
         ) from None
 
@@ -117,13 +117,13 @@ def _integer(name: str, value: Any) -> int:
     """An integer (not bool, not float) as a Python int in the int64 range."""
     value = _scalar_item(name, value)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(
+        raise InvalidStateDict(
             f"{_INVALID}{name} must be an integer, got {show(value)} of type "
             f"{type(value).__name__}."
         )
     as_int = int(value)
     if not -_INT64_BOUND <= as_int < _INT64_BOUND:
-        raise ValueError(f"{_INVALID}{name} is out of range: got {show(value)}.")
+        raise InvalidStateDict(f"{_INVALID}{name} is out of range: got {show(value)}.")
     return as_int
 
 
@@ -132,7 +132,7 @@ def _scale(name: str, value: Any) -> float:
     try:
         as_f32 = positive_normal_float32(name, number)
     except ValueError as error:
-        raise ValueError(_prefixed(error)) from None
+        raise InvalidStateDict(_prefixed(error)) from None
     return _exact_float32(name, number, as_f32)
 
 
@@ -155,18 +155,22 @@ def _exact_float32(name: str, value: float, as_f32: float | None = None) -> floa
         return value
     step = np.float32(np.inf if float(rounded) < value else -np.inf)
     below, above = sorted((float(rounded), float(np.nextafter(rounded, step))))
-    raise ValueError(_NOT_FLOAT32.format(prefix=_INVALID, name=name, value=value,
-                                         below=below, above=above))
+    raise InvalidStateDict(_NOT_FLOAT32.format(prefix=_INVALID, name=name, value=value,
+                                               below=below, above=above))
+
+
+class InvalidStateDict(ValueError):
+    """A state dict refused, the message prefixed with ``invalid loss-scale state dict: ``."""
 
 
 def _prefixed(error: ValueError) -> str:
-    message = str(error)
-    return message if message.startswith(_INVALID) else _INVALID + message
+    """A core validator's message (it names the argument) as a state-dict message."""
+    return str(error) if isinstance(error, InvalidStateDict) else _INVALID + str(error)
 
 
 def _in_range(name: str, value: int, low: int, high: int, bound: str) -> int:
     if not low <= value <= high:
-        raise ValueError(
+        raise InvalidStateDict(
             f"{_INVALID}{name} must be an integer in [{low}, {bound}] = [{low}, {high}], "
             f"got {value}."
         )

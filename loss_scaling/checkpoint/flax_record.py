@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loss_scaling._errors import show
+from loss_scaling._errors import RestoreError, show
 from loss_scaling.checkpoint.state_dict import _concrete, _host_array
 from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from loss_scaling.core.validation import counter_ranges, scale_range
@@ -110,9 +110,9 @@ def _flax_to_state_dict(scaler: LossScale) -> Any:
 _FLAX_ERROR = "cannot restore the loss-scale state at "
 
 
-def _flax_error(message: str) -> ValueError:
+def _flax_error(message: str) -> RestoreError:
     path = flax.serialization.current_path()
-    return ValueError(f"{_FLAX_ERROR}{path!r}: {message}")
+    return RestoreError(f"{_FLAX_ERROR}{path!r}: {message}")
 
 
 def _expected_shape(target_leaf: Any) -> tuple[int, ...]:
@@ -193,27 +193,15 @@ def _flax_from_state_dict(target: LossScale, state: Any) -> LossScale:
     try:
         return _flax_restore(target, state)
     except Exception as error:  # hostile state: still a ValueError that names the path
-        if isinstance(error, ValueError) and str(error).startswith(_FLAX_ERROR):
+        if isinstance(error, RestoreError):
             raise
         raise _flax_error(f"{type(error).__name__}: {show(str(error))}") from None
-
-
-NOT_A_RECORD = (
-    "the bytes hold the loss-scale leaves by name, with values, where this version writes "
-    "a checked record (values, shape, CRC-32): only placeholders (None, ShapeDtypeStruct) "
-    "are stored by name. Save the state again with this version of loss_scaling.")
-
-
-def _placeholder(value: Any) -> bool:
-    return value is None or isinstance(value, (jax.ShapeDtypeStruct, jax.core.Tracer))
 
 
 def _flax_restore(target: LossScale, state: Any) -> LossScale:
     names = _FLAX_LEAVES[type(target)]
     if isinstance(state, (bytes, bytearray, memoryview)) and names:
         state = _read_record(target, bytes(state))
-    elif names and isinstance(state, Mapping) and not all(map(_placeholder, state.values())):
-        raise _flax_error(NOT_A_RECORD)
     if not isinstance(state, Mapping) or set(state) != set(names):
         got = sorted(map(show, state)) if isinstance(state, Mapping) else show(state)
         raise _flax_error(f"expected {'the checked record of' if names else 'a dict with'} "
@@ -308,7 +296,7 @@ def from_bytes(target: Any, encoded: bytes) -> Any:
     try:
         return flax.serialization.from_state_dict(target, state)
     except ValueError as error:
-        if str(error).startswith(_FLAX_ERROR):
+        if isinstance(error, RestoreError):
             raise  # ours, naming the field
         raise ValueError(f"cannot restore {where}: the decoded bytes do not match the "
                          f"target's structure ({error}).") from None

@@ -19,6 +19,7 @@ from loss_scaling.checkpoint._values import (
     _TOP_KEYS,
     _VALUE_KEYS,
     FORMAT_VERSION,
+    InvalidStateDict,
     _exact_float32,
     _in_range,
     _integer,
@@ -41,18 +42,18 @@ def _parse(d: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
     d = _mapping(None, d, _TOP_KEYS)
     version = d["format_version"]
     if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)):
-        raise ValueError(
+        raise InvalidStateDict(
             f"{_INVALID}format_version must be the integer {FORMAT_VERSION}, got "
             f"{show(version)} of type {type(version).__name__}."
         )
     if version != FORMAT_VERSION:
-        raise ValueError(
+        raise InvalidStateDict(
             f"{_INVALID}unsupported format_version {show(version)}: this version of "
             f"loss_scaling reads format_version {FORMAT_VERSION}."
         )
     kind = d["kind"]
     if not isinstance(kind, str) or kind not in _CONFIG_KEYS:
-        raise ValueError(
+        raise InvalidStateDict(
             f"{_INVALID}unknown kind {show(kind)}: expected one of {list(_CONFIG_KEYS)}."
         )
     raw_config = _mapping("config", d["config"], _CONFIG_KEYS[kind])
@@ -77,16 +78,16 @@ def _parse_dynamic(raw_config: Mapping[str, Any], raw_values: Mapping[str, Any],
         try:
             ints[k] = positive_int32(f"config.{k}", _integer(f"config.{k}", raw_config[k]))
         except ValueError as error:
-            raise ValueError(_prefixed(error)) from None
+            raise InvalidStateDict(_prefixed(error)) from None
     bounds = {k: None if raw_config[k] is None else _scale(f"config.{k}", raw_config[k])
               for k in ("min_scale", "max_scale")}
     if bounds["min_scale"] is not None and loss_scale < bounds["min_scale"]:
-        raise ValueError(
+        raise InvalidStateDict(
             f"{_INVALID}values.loss_scale ({loss_scale!r}) is below config.min_scale "
             f"({bounds['min_scale']!r})."
         )
     if bounds["max_scale"] is not None and loss_scale > bounds["max_scale"]:
-        raise ValueError(
+        raise InvalidStateDict(
             f"{_INVALID}values.loss_scale ({loss_scale!r}) is above config.max_scale "
             f"({bounds['max_scale']!r})."
         )
@@ -94,7 +95,7 @@ def _parse_dynamic(raw_config: Mapping[str, Any], raw_values: Mapping[str, Any],
         config, loss_scale = validate_dynamic_config(
             init_scale=loss_scale, **factors, **ints, **bounds)
     except ValueError as error:  # names the argument (growth_factor, backoff_factor)
-        raise ValueError(f"{_INVALID}config.{error}") from None
+        raise InvalidStateDict(f"{_INVALID}config.{error}") from None
     counters = {}
     for name, (low, high, bound) in counter_ranges(config).items():  # failure: optional
         value = _integer(f"values.{name}", raw_values.get(name, 0))
