@@ -1,4 +1,14 @@
-"""FLAX_DOC"""
+"""``flax.serialization`` of the scaler states: one checked record (values, shape, CRC-32).
+
+Importing this module registers the three scaler classes. ``to_state_dict`` /
+``to_bytes`` store a static or dynamic scaler as one record (bytes: its values, their
+shape and a CRC-32; placeholders and tracers by name); ``from_state_dict`` /
+``from_bytes`` restore it into a target, keeping the *target's* configuration and layout,
+the values range-checked by :mod:`loss_scaling.core.validation`. Why a checksum: a
+flipped bit of the scale's float32 is usually another valid, in-range scale, which no
+range check can tell from the saved one. :func:`from_bytes` also turns msgpack's own
+decoding errors into a ``ValueError``.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,44 @@
-"""NUMERICS_DOC"""
+"""The numerics of one step, with the argument for each shortcut next to its code.
+
+* **Which leaves.** Real and complex floating leaves are scaled, unscaled and checked
+  (:func:`is_floating`); each is computed in float32, or float64 for 64-bit parts
+  (:func:`compute_dtype`), complex leaves part by part (:func:`_per_part`).
+* **The reciprocal** (:func:`reciprocal`). Unscaling multiplies by ``r = float32(1 /
+  scale)``, as PyTorch's kernel does. For a scale above 2**126, ``r`` is subnormal and
+  XLA on CPU flushes it to zero, so ``r`` is held as ``normal * post`` with both factors
+  normal. Derivation: a normal float32 ``scale`` is ``m * 2**(e - 150)`` with the
+  biased exponent ``e`` and the integer mantissa ``m`` in ``[2**23, 2**24)``. A scale
+  in ``(2**126, 2**128)`` has ``e - 127`` equal to 126 or 127, i.e. ``e`` is 253 or 254.
+  The subnormal ``r`` is an integer multiple of the smallest subnormal 2**-149:
+  ``r = round(2**149 / scale) * 2**-149 = round(2**(299 - e) / m) * 2**-149``, the
+  quotient ``q = round(2**46 / m)`` (e = 253) or ``round(2**45 / m)`` (e = 254),
+  rounded once to nearest-even by integer long division (:func:`_rounded_quotient`),
+  never twice. ``q`` lies in ``[2**21, 2**23]``, so ``normal = r * 2**64 = q * 2**-85``
+  (an integer below 2**24 times a power of two: exact, and normal), and ``post =
+  2**-64``. ``(x * normal) * post`` is then ``round(x * q * 2**-85) * 2**-64``, which
+  equals ``round(x * r)`` whenever the result is normal, since multiplying by a power of
+  two between normal numbers commutes with rounding. So ``unscale`` gives PyTorch's bits
+  wherever the result is a normal number. Both factors are at most 1.
+* **Finiteness** (:func:`unscaled_finite_leaves`): the definition is
+  ``all(isfinite(unscale_leaf(x)))`` per leaf, read in one fused reduction: a sum of
+  magnitudes shrunk by ``2**-k`` with ``2**k >= 2 * entries`` (:func:`_bounded_sum`).
+  An inf or NaN entry makes the sum inf or NaN (no cancellation: the terms are >= 0),
+  and each finite term is at most ``max / (2 * entries)``, so finite entries never add up
+  to an overflow: the sum is finite iff every entry is. (A cross-device *max* would drop
+  NaN on XLA CPU; a sum keeps it.)
+* **The CPU screen** (:func:`sum_screen`, used by ``loss_scaling.wrapper.step``): a
+  plain sum of squares of the *scaled* gradients, the one reduction XLA CPU vectorizes
+  (and the gradient norm from the same read). Why a finite sum clears a leaf: the squares
+  are >= 0, so an inf or NaN entry makes the sum inf or NaN; a finite sum therefore
+  proves every scaled entry finite (an overflowed sum proves nothing: the caller then
+  runs the exact test). Why that is enough: with ``scale >= 1`` both reciprocal factors
+  are at most 1, so ``|round(x * r)| <= |x|`` (rounding is monotonic and ``|x|`` is
+  representable), also after the cast back to the leaf's own dtype, where ``x`` came
+  from: unscaling a finite entry cannot overflow. Below scale 1 the screen clears
+  nothing and the exact test runs.
+* **Leaf groups** (:func:`leaf_groups`): on XLA CPU every kernel costs about a
+  microsecond per run, so small leaves of one dtype are concatenated and tested together.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +49,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-
-AxisName = str | Sequence[str] | None
-
 
 AxisName = str | Sequence[str] | None
 
@@ -97,8 +134,8 @@ def reciprocal(scale: jax.Array) -> Reciprocal:
     bits = lax.bitcast_convert_type(scale, jnp.int32)
     mantissa = (bits & 0x7FFFFF) | 0x800000
     biased_exponent = (bits >> 23) & 0xFF
-    # scale = mantissa * 2**(e - 150), so 2**149 / scale = 2**(299 - e) / mantissa, and the
-    # subnormal r is that quotient (rounded) times 2**-149. e is 253 or 254 here.
+    # The derivation is in the module docstring: scale = m * 2**(e - 150), e in {253, 254}
+    # where r is subnormal, r = round(2**(299 - e) / m) * 2**-149 = q * 2**-149.
     quotient = jnp.where(biased_exponent == 254, _rounded_quotient(45, mantissa),
                          _rounded_quotient(46, mantissa))
     lifted = quotient.astype(jnp.float32) * jnp.float32(2.0**-85)  # r * 2**64, exact

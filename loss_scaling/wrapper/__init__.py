@@ -1,0 +1,3 @@
+"""The optax wrapper: its state and options (state), the one guarded step (step), and
+with_loss_scaling / apply_gradients (transform).
+"""

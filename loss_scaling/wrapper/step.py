@@ -1,4 +1,11 @@
-"""STEP_DOC"""
+"""The one guarded step of the wrapper, used by ``update`` and ``apply_gradients``.
+
+Order (docs/architecture.md): :func:`decide` reads the gradients once (the finite flags
+per leaf, the norm, the loss, the state's health and the scale's validity, checked once);
+:func:`guarded_step` runs the inner update (and, fused, ``apply_updates``) under one
+``lax.cond`` or select, the unscale inside the taken branch; :func:`_next_state` steps
+the loss scale, the counters and the failure register, always, last.
+"""
 
 from __future__ import annotations
 
