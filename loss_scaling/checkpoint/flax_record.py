@@ -242,7 +242,7 @@ def _bare_optimizer_states(target: Any, state: Any) -> list[str]:
         for key in path:
             saved = saved.get(_state_key(key)) if isinstance(saved, Mapping) else None
         if isinstance(saved, Mapping) and not {"scaler", "inner_state"} & set(saved):
-            bare.append("./" + "/".join(_state_key(k) for k in path))
+            bare.append("./" + jax.tree_util.keystr(path, simple=True, separator="/"))
     return bare
 
 
@@ -285,8 +285,7 @@ def from_bytes(target: Any, encoded: bytes) -> Any:
         return isinstance(x, (NoOpLossScale, StaticLossScale, DynamicLossScale))
 
     paths = [
-        "./" + "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                        for k in path)
+        "./" + jax.tree_util.keystr(path, simple=True, separator="/")
         for path, _ in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_scaler)[0]
         if is_scaler(_)]
     where = (f"the loss-scale state at {', '.join(map(repr, paths))}" if paths

@@ -335,13 +335,10 @@ def _in_dtypes_of(new_state: Any, old_state: Any) -> Any:
     Only integer params change anything: optax's moments for an int32 param start as int32
     and come back float32 (optax lets the dtype drift, which retraces a jitted step).
     """
-    def same(new: Any, old: Any) -> Any:
-        # A Python scalar in the state (optax accepts any pytree, e.g. {"foo": 1}) has no
-        # dtype: it is held as the array the conditional makes of it.
-        dtype = jnp.result_type(old)
-        return new if jnp.result_type(new) == dtype else jnp.asarray(new).astype(dtype)
-
-    return jax.tree.map(same, new_state, old_state)
+    # A Python scalar in the state (optax accepts any pytree, e.g. {"foo": 1}) has no
+    # dtype: it is held as the array the conditional makes of it.
+    return optax.tree.cast_like(jax.tree.map(jnp.asarray, new_state),
+                                jax.tree.map(jnp.asarray, old_state))
 
 
 def _resolve_skip(skip: SkipMode, fused: bool) -> Literal["cond", "select"]:
