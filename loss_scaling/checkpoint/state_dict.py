@@ -280,7 +280,10 @@ def from_state_dict(d: Any) -> LossScale:
       ...
       ValueError: invalid loss-scale state dict: values.loss_scale must be a finite, ...
     """
-    return _build(*_parse(d))
+    try:
+        return _build(*_parse(d))
+    except InvalidStateDict as error:  # the internal class stays inside: a ValueError out
+        raise ValueError(str(error)) from None
 
 
 # -------------------------------------------------------------------- config changes
