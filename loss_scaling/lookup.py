@@ -438,7 +438,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
     failure = _effective_failure(failure, scaler_failure, scale)
     if np.any(failure != _errors.Failure.NONE):
         names = None if params is None else gradient_leaf_names(params)
-        failed = _first_failing(wrapper._replace(failure=failure), failure)
+        failed = _first_failing(wrapper._replace(failure=jnp.asarray(failure)), failure)
         scaler = failed.scaler
         if isinstance(scaler, DynamicLossScale) and scaler.config is None:
             # A plain nnx.Optimizer's nnx.State: no config for the full message.

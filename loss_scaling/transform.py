@@ -83,10 +83,12 @@ class LossScalingState(NamedTuple):
       grad_norm: float32, the global L2 norm of the last step's *unscaled* gradients
         (what PyTorch's ``clip_grad_norm_`` returns), from the same read of the gradients
         as the finite test (the sum of their squares, in float32, times the scale's
-        reciprocal). On a step skipped for its gradients it is inf or NaN: the norm of
-        what arrived. It is inf, too, where the squares of the *scaled* gradients
-        overflow float32 (above ~1.8e19 in total norm); with ``axis_name``, it is this
-        replica's gradients' norm. 0 before the first step.
+        reciprocal). On a step skipped for its gradients it is inf (NaN entries too):
+        the norm of what arrived. It is inf, too, where the squares of the *scaled*
+        gradients overflow float32 (above ~1.8e19 in total norm). With ``axis_name`` it
+        is the same on every replica: shards of a leaf split over the axes (under
+        ``shard_map``) add their squares; replicated gradients count once. 0 before the
+        first step.
     """
 
     scaler: LossScale
@@ -172,11 +174,7 @@ def _fresh(scaler: LossScale) -> LossScale:
     return jax.tree.map(lambda x: jnp.array(x, copy=True), scaler)
 
 
-def _varying_axes(x: Any) -> frozenset[Any]:
-    """The ``shard_map`` axes over which ``x`` (an array or a ShapeDtypeStruct) varies."""
-    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+_varying_axes = tree.varying_axes
 
 
 def _vary(x: Any, axes: frozenset[Any]) -> Any:
@@ -563,18 +561,19 @@ def _finite_leaves(grads: Any, inverse: tree.Reciprocal | None,
     groups = tree.leaf_groups(leaves)
     if jax.default_backend() != "cpu" or not groups:
         # Sibling reductions of the same leaves: XLA fuses them into one read on GPU.
-        squares = sum((tree.square_sum(x).astype(jnp.float32) for x in leaves),
-                      jnp.zeros((), jnp.float32))
-        return (*tree.unscaled_finite_leaves(grads, inverse, axis_name), squares)
+        squares = _square_sum([tree.square_sum(x) for x in leaves], axis_name)
+        flags, _ = tree.unscaled_finite_leaves(grads, inverse, None)
+        flags, squares = _agree(flags, squares, axis_name)
+        return flags, flags.all(), squares
     small_reciprocal = jnp.asarray(True)
     if inverse is not None:
         small_reciprocal = (inverse.normal <= 1) | (inverse.post < 1)
     sums = [tree.sum_screen(leaves, group) for group in groups]
-    squares = sum((x.astype(jnp.float32) for x in sums), jnp.zeros((), jnp.float32))
     cleared = [jnp.isfinite(x) & small_reciprocal for x in sums]
-    all_cleared = jnp.stack(cleared).all()
-    if axis_name is not None:  # the branch must be the same on every replica
-        all_cleared = lax.pmin(all_cleared.astype(jnp.int32), axis_name) == 1
+    # The branch must be the same on every replica: one collective for it and the norm.
+    all_cleared, squares = _agree(jnp.stack(cleared).all()[None],
+                                  _square_sum(sums, axis_name), axis_name)
+    all_cleared = all_cleared[0]
 
     def group_exact(ok: jax.Array, group: tree.LeafGroup) -> jax.Array:
         def recheck(_: Any) -> jax.Array:
@@ -601,6 +600,46 @@ def _finite_leaves(grads: Any, inverse: tree.Reciprocal | None,
     return (*_skip_cond(all_cleared,
                         lambda _: (jnp.ones((n,), jnp.bool_), jnp.asarray(True)), exact, None),
             squares)
+
+
+def _square_sum(sums: list[jax.Array], axis_name: AxisName) -> jax.Array:
+    """The float32 sum of the per-group (or per-leaf) sums of squares.
+
+    Under ``shard_map`` a sum that varies over some of the ``axis_name`` axes is a shard's
+    part of a leaf split over them (tensor parallelism): those parts add up (``psum``),
+    while a sum invariant over an axis is already the whole leaf's (replicated, e.g.
+    ``pmean``-ed, gradients; :func:`loss_scaling.tree.leaf_groups` never mixes the two).
+    """
+    names = _axis_names(axis_name)
+    total = jnp.zeros((), jnp.float32)
+    for part in sums:
+        part = part.astype(jnp.float32)
+        split = tuple(a for a in names if a in tree.varying_axes(part))
+        total = total + (lax.psum(part, split) if split else part)
+    return total
+
+
+def _axis_names(axis_name: AxisName) -> tuple[Any, ...]:
+    if axis_name is None:
+        return ()
+    return tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def _agree(flags: jax.Array, squares: jax.Array,
+           axis_name: AxisName) -> tuple[jax.Array, jax.Array]:
+    """Flags ANDed and the sum of squares made the same over the replicas, in ONE ``pmin``.
+
+    ``pmin(-x)`` is ``-pmax(x)``: where JAX does not track what varies (``pmap``,
+    ``check_vma=False``) the replicas' gradients are taken to be the same, and the largest
+    sum (an inf or NaN on one replica reaches all) is the one every replica reports.
+    """
+    # A NaN sum reads +inf: the min of an all-reduce need not propagate NaN, and the norm
+    # of non-finite gradients is then inf on every path and device.
+    squares = jnp.where(jnp.isnan(squares), jnp.inf, squares)
+    if axis_name is None:
+        return flags, squares
+    both = lax.pmin(jnp.concatenate([flags.astype(jnp.float32), -squares[None]]), axis_name)
+    return both[:-1] == 1, -both[-1]
 
 
 def _check(core: _Core, grads: Any, state: LossScalingState, extra_args: dict) -> _Check:

@@ -361,6 +361,13 @@ def _sharded_in_type(x: Any) -> bool:
     return spec is not None and any(axes is not None for axes in spec)
 
 
+def varying_axes(x: Any) -> frozenset[Any]:
+    """The ``shard_map`` axes over which ``x`` (an array or a ShapeDtypeStruct) varies."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
 def leaf_groups(leaves: Sequence[Any]) -> list[LeafGroup]:
     """Partitions the floating, non-empty leaves for the finiteness tests on XLA CPU.
 
@@ -379,8 +386,9 @@ def leaf_groups(leaves: Sequence[Any]) -> list[LeafGroup]:
         if jnp.size(x) > SMALL_LEAF or _sharded_in_type(x):
             groups.append(LeafGroup((i,), joined=False))
             continue
-        dtype = jnp.result_type(x)
-        members = open_groups.setdefault(dtype, [])
+        # One dtype, and under shard_map one set of varying axes: a group's sum of squares
+        # is then a whole leaf's or a shard's, never a mix (see the gradient norm).
+        members = open_groups.setdefault((jnp.result_type(x), varying_axes(x)), [])
         if sum(jnp.size(leaves[j]) for j in members) + jnp.size(x) > GROUP_ENTRIES:
             groups.append(LeafGroup(tuple(members), joined=True))
             members.clear()
