@@ -81,9 +81,19 @@ SLOW_TESTS = (
 # with and without native float16 arithmetic.
 NUMERICS_MODULES = (
     "tests/test_tree.py",  # scale / unscale / all_finite, bit for bit
-    "tests/test_exactness.py",  # the exact finite test and the exact reciprocal
 )
 NUMERICS_TESTS = (
+    # the exact reciprocal, the exact finite test, narrow and wide dtypes (the hypothesis
+    # searches of the skip decision run once, natively: they test the decision's logic)
+    "tests/test_exactness.py::test_unscale_matches_the_float64_reference",
+    "tests/test_exactness.py::test_unscale_above_2_126_is_not_flushed_to_zero",
+    "tests/test_exactness.py::test_the_reciprocal_is_rounded_once_for_every_scale_above_2_126",
+    "tests/test_exactness.py::test_sums_that_overflow_no_longer_skip_finite_steps",
+    "tests/test_exactness.py::test_a_float16_leaf_that_rounds_to_65504_is_finite",
+    "tests/test_exactness.py::test_a_scale_above_2_126_trains_on_the_true_gradient",
+    "tests/test_exactness.py::test_complex_gradients_are_checked_and_unscaled",
+    "tests/test_exactness.py::test_float8_and_float4_leaves_scale_unscale_and_step",
+    "tests/test_exactness.py::test_float64_subnormal_params_on_a_skipped_step",
     "tests/test_transform.py::test_finite_steps_equal_inner_on_true_gradients",
     "tests/test_transform.py::test_clipping_inside_the_inner_chain_sees_true_gradients",
     "tests/test_integrations.py::test_ls_train_state_fused_matches_flax_train_state_plain_and_skips_exactly",
