@@ -87,8 +87,9 @@ def report(leaves: int, times: dict[str, list[tuple[float, float]]]) -> str:
     for name, runs in times.items():
         trace = statistics.median(t for t, _ in runs)
         comp = statistics.median(c for _, c in runs)
+        if_finite = total[name] / total["optax.apply_if_finite"]
         lines.append(f"{name:36s} {trace:13.2f} {comp:10.2f} {total[name]:8.2f} "
-                     f"{total[name] / base:7.2f} {total[name] / total['optax.apply_if_finite']:11.2f}")
+                     f"{total[name] / base:7.2f} {if_finite:11.2f}")
     return "\n".join(lines)
 
 

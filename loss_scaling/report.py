@@ -49,7 +49,7 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       (``clean_growths >= SUSPICIOUS_GROWTHS``, 20: the scale grew a millionfold without one
       overflow, which points at a loss that was not scaled, or a model that needs no
       scaling); ``grad_norm`` (float32: the global norm of the last step's unscaled
-      gradients, inf or NaN on a step skipped for them, see
+      gradients, inf on a step skipped for them, see
       :class:`loss_scaling.LossScalingState`). With ``underflow_diagnostics=True``:
       ``zero_grad_fraction`` and ``small_grad_fraction`` (overall, weighted by leaf size)
       and their ``..._per_leaf`` vectors (see :class:`loss_scaling.UnderflowStats`).
@@ -271,7 +271,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
     failure = _effective_failure(failure, scaler_failure, scale)
     if np.any(failure != _errors.Failure.NONE):
         names = None if params is None else gradient_leaf_names(params)
-        failed = _first_failing(wrapper._replace(failure=failure), failure)
+        failed = _first_failing(wrapper._replace(failure=jnp.asarray(failure)), failure)
         scaler = failed.scaler
         if isinstance(scaler, DynamicLossScale) and scaler.config is None:
             # A plain nnx.Optimizer's nnx.State: no config for the full message.

@@ -65,6 +65,15 @@ SLOW_TESTS = (
     "tests/test_nnx.py::test_check_reads_a_failure_from_the_optimizer_its_state_and_split",
     "tests/test_equinox.py::test_a_wrong_first_argument_says_what_it_must_be",
     "tests/test_beyond.py::test_loss_scale_for_in_a_wrapper_train_step",
+    # Recipes and checks that train a model or compile many steps (the quick subset's
+    # budget is 90 s on 2 cores).
+    "tests/test_integrations.py::test_docs_batchnorm_dropout_recipe_trains_and_a_skip_keeps_the_new_batch_stats",
+    "tests/test_diagnostics.py::test_the_getting_started_check_shows_a_model_that_needs_loss_scaling",
+    "tests/test_transform.py::test_the_default_fused_step_adds_a_fixed_number_of_kernels_whatever_the_leaf_count",
+    "tests/test_overflow.py::test_the_readiness_report_matches_a_hand_computation_on_two_layers",
+    "tests/test_nnx.py::test_a_wrong_first_argument_says_what_it_must_be",
+    "tests/test_wrapper_edges.py::test_a_skipped_step_keeps_every_float_dtype_bit_for_bit_but_where_xla_cpu_flushes",
+    "tests/test_wrapper_edges.py::test_line_searches_lbfgs_and_sam_run_inside_the_wrapper",
     # The debugging tools run op by op: a real model is hundreds of eager compiles.
     "tests/test_overflow.py::test_a_function_sharded_over_8_virtual_devices",  # subprocess
     "tests/test_overflow.py::test_the_train_steps_compiled_text_is_unchanged_by_the_feature",
@@ -81,9 +90,19 @@ SLOW_TESTS = (
 # with and without native float16 arithmetic.
 NUMERICS_MODULES = (
     "tests/test_tree.py",  # scale / unscale / all_finite, bit for bit
-    "tests/test_exactness.py",  # the exact finite test and the exact reciprocal
 )
 NUMERICS_TESTS = (
+    # the exact reciprocal, the exact finite test, narrow and wide dtypes (the hypothesis
+    # searches of the skip decision run once, natively: they test the decision's logic)
+    "tests/test_exactness.py::test_unscale_matches_the_float64_reference",
+    "tests/test_exactness.py::test_unscale_above_2_126_is_not_flushed_to_zero",
+    "tests/test_exactness.py::test_the_reciprocal_is_rounded_once_for_every_scale_above_2_126",
+    "tests/test_exactness.py::test_sums_that_overflow_no_longer_skip_finite_steps",
+    "tests/test_exactness.py::test_a_float16_leaf_that_rounds_to_65504_is_finite",
+    "tests/test_exactness.py::test_a_scale_above_2_126_trains_on_the_true_gradient",
+    "tests/test_exactness.py::test_complex_gradients_are_checked_and_unscaled",
+    "tests/test_exactness.py::test_float8_and_float4_leaves_scale_unscale_and_step",
+    "tests/test_exactness.py::test_float64_subnormal_params_on_a_skipped_step",
     "tests/test_transform.py::test_finite_steps_equal_inner_on_true_gradients",
     "tests/test_transform.py::test_clipping_inside_the_inner_chain_sees_true_gradients",
     "tests/test_integrations.py::test_ls_train_state_fused_matches_flax_train_state_plain_and_skips_exactly",

@@ -165,7 +165,7 @@ def check_unscale(tree: dict, scale: float, unscale) -> None:
             f"{name}: scale {scale!r}, x {x!r}: got {np.asarray(got[name])!r}, want {want!r}")
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(tree=trees, scale=scales)
 @example(tree={"x": np.asarray([2.0**127, 3e38, 1.0], np.float32)}, scale=2.0**127)
 @example(tree={"x": np.asarray([65440.0], np.float16)}, scale=0.999)
@@ -210,7 +210,7 @@ def plain(tx):
     return step
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(tree=trees, scale=scales)
 @example(tree={"x": np.asarray([1e38] * 4, np.float32)}, scale=1.0)
 @example(tree={"x": np.asarray([65440.0, 1.0], np.float16)}, scale=0.999)
@@ -238,7 +238,7 @@ small_group_trees = st.lists(leaves(), min_size=1, max_size=8).map(
     lambda xs: {f"leaf{i}": x for i, x in enumerate(xs)})
 
 
-@settings(max_examples=25, deadline=None)  # each example compiles two steps
+@settings(max_examples=12, deadline=None)  # each example compiles two steps
 @given(tree=small_group_trees, scale=scales)
 @example(tree={f"leaf{i}": np.asarray([1.0, 2.0, 3.0], np.float32) for i in range(5)}
          | {"leaf5": np.asarray([1.0, np.inf, 3.0, 4.0, 5.0], np.float32)}, scale=2.0**15)
@@ -447,7 +447,7 @@ def x64():
         yield
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(tree=st.lists(leaves([np.float64, jnp.complex128, jnp.float32]), min_size=1,
                      max_size=3).map(lambda xs: {f"leaf{i}": x for i, x in enumerate(xs)}),
        scale=scales)

@@ -417,7 +417,9 @@ def test_plain_and_fused_paths_agree(runs):
     # learning-rate step for adam; the step-by-step test below is the tight one.)
     assert plain["applied"] == fused["applied"]
     mp, mf = ls.metrics(o_plain), ls.metrics(o_fused)
-    assert all(np.array_equal(mp[k], mf[k]) for k in mp)
+    assert all(np.array_equal(mp[k], mf[k]) for k in mp if k != "grad_norm")
+    # The last gradients' norm: of params equal only up to that rounding (the losses too).
+    np.testing.assert_allclose(mp["grad_norm"], mf["grad_norm"], rtol=2e-2)
     np.testing.assert_allclose(plain["losses"], fused["losses"], rtol=2e-2)
 
 

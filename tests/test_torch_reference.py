@@ -51,6 +51,9 @@ from hypothesis import strategies as st
 
 import loss_scaling as ls
 
+# bfloat16 params on purpose (the kernels' dtypes); the warning: tests/test_diagnostics.py
+pytestmark = pytest.mark.filterwarnings("ignore:with_loss_scaling. the params:UserWarning")
+
 torch = pytest.importorskip("torch")
 
 F32 = np.finfo(np.float32)

@@ -270,7 +270,10 @@ def test_metrics_grad_norm_is_the_unscaled_global_norm_and_nonfinite_on_a_skip(
     scaled["b"] = scaled["b"].at[7].set(INF)
     params, opt_state = step(scaled, opt_state, params)
     assert not bool(opt_state.last_step_finite)
-    assert not np.isfinite(float(ls.metrics(opt_state)["grad_norm"]))
+    assert float(ls.metrics(opt_state)["grad_norm"]) == np.inf
+    scaled["b"] = scaled["b"].at[7].set(np.nan)  # a NaN reads inf as well
+    params, opt_state = step(scaled, opt_state, params)
+    assert float(ls.metrics(opt_state)["grad_norm"]) == np.inf
 
 
 # ------------------------------------ 18. flax's fp8 layers and _overwrite_with_gradient

@@ -255,6 +255,13 @@ def _sharded_in_type(x: Any) -> bool:
     return spec is not None and any(axes is not None for axes in spec)
 
 
+def varying_axes(x: Any) -> frozenset[Any]:
+    """The ``shard_map`` axes over which ``x`` (an array or a ShapeDtypeStruct) varies."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
 def leaf_groups(leaves: Sequence[Any]) -> list[LeafGroup]:
     """Partitions the floating, non-empty leaves for the finiteness tests on XLA CPU.
 
@@ -273,8 +280,9 @@ def leaf_groups(leaves: Sequence[Any]) -> list[LeafGroup]:
         if jnp.size(x) > SMALL_LEAF or _sharded_in_type(x):
             groups.append(LeafGroup((i,), joined=False))
             continue
-        dtype = jnp.result_type(x)
-        members = open_groups.setdefault(dtype, [])
+        # One dtype, and under shard_map one set of varying axes: a group's sum of squares
+        # is then a whole leaf's or a shard's, never a mix (see the gradient norm).
+        members = open_groups.setdefault((jnp.result_type(x), varying_axes(x)), [])
         if sum(jnp.size(leaves[j]) for j in members) + jnp.size(x) > GROUP_ENTRIES:
             groups.append(LeafGroup(tuple(members), joined=True))
             members.clear()
@@ -334,3 +342,46 @@ def unscaled_group_finite(leaves: Sequence[Any], group: LeafGroup,
     segments = jnp.asarray(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes))
     return jax.ops.segment_min(finite.astype(jnp.int32), segments, len(sizes),
                                indices_are_sorted=True) == 1
+
+
+# ------------------------------------------------------------- the norm, over replicas
+
+
+def replica_square_sum(sums: Sequence[jax.Array], axis_name: AxisName) -> jax.Array:
+    """The float32 total of per-group (or per-leaf) sums of squares, for the norm.
+
+    Under ``shard_map`` a sum that varies over some of the ``axis_name`` axes is a shard's
+    part of a leaf split over them (tensor parallelism): those parts add up (``psum``),
+    while a sum invariant over an axis is already the whole leaf's (replicated, e.g.
+    ``pmean``-ed, gradients; :func:`leaf_groups` never joins the two kinds).
+    """
+    names = _axis_names(axis_name)
+    total = jnp.zeros((), jnp.float32)
+    for part in sums:
+        part = part.astype(jnp.float32)
+        split = tuple(a for a in names if a in varying_axes(part))
+        total = total + (lax.psum(part, split) if split else part)
+    return total
+
+
+def _axis_names(axis_name: AxisName) -> tuple[Any, ...]:
+    if axis_name is None:
+        return ()
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def agree(flags: jax.Array, squares: jax.Array,
+          axis_name: AxisName) -> tuple[jax.Array, jax.Array]:
+    """Flags ANDed, and the sum of squares made one value, over the replicas: ONE ``pmin``.
+
+    ``pmin(-x)`` is ``-pmax(x)``: where JAX does not track what varies (``pmap``,
+    ``check_vma=False``) the replicas' gradients are taken to be the same, and the largest
+    sum (an inf on one replica reaches all) is the one every replica reports. A NaN sum
+    reads +inf first: the min of an all-reduce need not propagate NaN, and the norm of
+    non-finite gradients is then inf on every path and device.
+    """
+    squares = jnp.where(jnp.isnan(squares), jnp.inf, squares)
+    if axis_name is None:
+        return flags, squares
+    both = lax.pmin(jnp.concatenate([flags.astype(jnp.float32), -squares[None]]), axis_name)
+    return both[:-1] == 1, -both[-1]

@@ -55,7 +55,8 @@ class Problem:
 
 
 def _held_scale(first: Any) -> Any:
-    if isinstance(first, scalers.LossScale):
+    if isinstance(first, (scalers.NoOpLossScale, scalers.StaticLossScale,
+                          scalers.DynamicLossScale)):
         return first
     if isinstance(first, jax.Array) or not jax.tree.leaves(first):
         return None
@@ -91,7 +92,8 @@ def problem(loss_fn: Callable[..., Any], args: tuple[Any, ...], scale: Any,
 def _scaler(scale: Any, held: Any) -> Any:
     if scale is None:
         return held if held is not None else scalers.NoOpLossScale()
-    if isinstance(scale, scalers.LossScale):
+    if isinstance(scale, (scalers.NoOpLossScale, scalers.StaticLossScale,
+                          scalers.DynamicLossScale)):
         return scale
     try:
         value = float(scale)

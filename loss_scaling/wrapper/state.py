@@ -57,10 +57,12 @@ class LossScalingState(NamedTuple):
       grad_norm: float32, the global L2 norm of the last step's *unscaled* gradients
         (what PyTorch's ``clip_grad_norm_`` returns), from the same read of the gradients
         as the finite test (the sum of their squares, in float32, times the scale's
-        reciprocal). On a step skipped for its gradients it is inf or NaN: the norm of
-        what arrived. It is inf, too, where the squares of the *scaled* gradients
-        overflow float32 (above ~1.8e19 in total norm); with ``axis_name``, it is this
-        replica's gradients' norm. 0 before the first step.
+        reciprocal). On a step skipped for its gradients it is inf (NaN entries too):
+        the norm of what arrived. It is inf, too, where the squares of the *scaled*
+        gradients overflow float32 (above ~1.8e19 in total norm). With ``axis_name`` it
+        is the same on every replica: shards of a leaf split over the axes (under
+        ``shard_map``) add their squares; replicated gradients count once. 0 before the
+        first step.
     """
 
     scaler: LossScale

@@ -38,11 +38,7 @@ from loss_scaling.wrapper.state import (
 )
 
 
-def _varying_axes(x: Any) -> frozenset[Any]:
-    """The ``shard_map`` axes over which ``x`` (an array or a ShapeDtypeStruct) varies."""
-    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+_varying_axes = numerics.varying_axes
 
 
 def _vary(x: Any, axes: frozenset[Any]) -> Any:
@@ -166,18 +162,21 @@ def _finite_leaves(grads: Any, inverse: numerics.Reciprocal | None,
     groups = numerics.leaf_groups(leaves)
     if jax.default_backend() != "cpu" or not groups:
         # Sibling reductions of the same leaves: XLA fuses them into one read on GPU.
-        squares = sum((numerics.square_sum(x).astype(jnp.float32) for x in leaves),
-                      jnp.zeros((), jnp.float32))
-        return (*numerics.unscaled_finite_leaves(grads, inverse, axis_name), squares)
+        squares = numerics.replica_square_sum([numerics.square_sum(x) for x in leaves],
+                                              axis_name)
+        flags, _ = numerics.unscaled_finite_leaves(grads, inverse, None)
+        flags, squares = numerics.agree(flags, squares, axis_name)
+        return flags, flags.all(), squares
     small_reciprocal = jnp.asarray(True)
     if inverse is not None:
         small_reciprocal = (inverse.normal <= 1) | (inverse.post < 1)
     sums = [numerics.sum_screen(leaves, group) for group in groups]
-    squares = sum((x.astype(jnp.float32) for x in sums), jnp.zeros((), jnp.float32))
     cleared = [jnp.isfinite(x) & small_reciprocal for x in sums]
-    all_cleared = jnp.stack(cleared).all()
-    if axis_name is not None:  # the branch must be the same on every replica
-        all_cleared = lax.pmin(all_cleared.astype(jnp.int32), axis_name) == 1
+    # The branch must be the same on every replica: one collective for it and the norm.
+    all_cleared, squares = numerics.agree(
+        jnp.stack(cleared).all()[None], numerics.replica_square_sum(sums, axis_name),
+        axis_name)
+    all_cleared = all_cleared[0]
 
     def group_exact(ok: jax.Array, group: numerics.LeafGroup) -> jax.Array:
         def recheck(_: Any) -> jax.Array:

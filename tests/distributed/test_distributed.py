@@ -176,6 +176,11 @@ def test_matches_the_single_device_run(results, run_id):
             np.testing.assert_array_equal(step["metrics"][name],
                                           np.repeat(expected["metrics"][name], N_DEVICES),
                                           err_msg=f"{name} after step {i}")
+        # The global norm of the unscaled gradients (data-parallel: replicated; tensor
+        # parallel: the shards' squares summed), to float tolerance; inf/NaN where skipped.
+        np.testing.assert_allclose(step["metrics"]["grad_norm"],
+                                   np.repeat(expected["metrics"]["grad_norm"], N_DEVICES),
+                                   rtol=1e-5, err_msg=f"grad_norm after step {i}")
         for key in expected["params"]:  # to float tolerance: the sums are reordered
             np.testing.assert_allclose(step["params"][key], expected["params"][key],
                                        rtol=1e-5, atol=1e-6, err_msg=f"{key} after step {i}")
@@ -188,9 +193,10 @@ def test_compiles_once_and_donates(results, run_id):
     run = run_result(results, "multi_step", run_id)
     assert run["traces"] == 1
     assert run["cache_size"] in (1, None)  # pmap has no cache to ask
-    # Every donated buffer is consumed, except the input `last_step_finite`, which the
-    # step never reads (jit prunes unused arguments, so their buffers stay alive).
-    assert all(kept in ([], ["bool"]) for kept in run["kept"]), run["kept"]
+    # Every donated buffer is consumed, except the inputs `last_step_finite` (bool) and
+    # `grad_norm` (float32), which the step only writes (jit prunes unused arguments, so
+    # their buffers stay alive).
+    assert all(kept in ([], ["bool"], ["bool", "float32"]) for kept in run["kept"]), run["kept"]
     # tx.init hands out fresh buffers: it still works after donated steps.
     assert run["reinit_scale"] == 1024.0
 
