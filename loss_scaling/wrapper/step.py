@@ -37,7 +37,6 @@ from loss_scaling.wrapper.state import (
     leaf_names,
 )
 
-
 _varying_axes = numerics.varying_axes
 
 
