@@ -743,6 +743,12 @@ def test_apply_gradients_warns_when_a_wrapped_transformation_hides_the_fused_pat
     outer = ls.with_loss_scaling(optax.chain(optax.identity(), optax.sgd(1.0)),
                                  ls.StaticLossScale(2.0))
     ls.apply_gradients(outer, jnp.array([2.0, 2.0]), outer.init(params), params)
+    # One wrapper per multi_transform group has no fused form: no warning to act on.
+    groups = optax.multi_transform(
+        {g: ls.with_loss_scaling(optax.sgd(1.0), ls.StaticLossScale(2.0)) for g in "ab"},
+        {"a": "a", "b": "b"})
+    two = {"a": params, "b": params}
+    ls.apply_gradients(groups, jax.tree.map(lambda p: 2 * p, two), groups.init(two), two)
 
 
 # ------------------------------------------------------------ the step's fixed cost

@@ -253,5 +253,7 @@ def _warn_if_fused_path_lost(tx: Any, opt_state: Any) -> None:
     found = optax.tree_utils.tree_get_all_with_path(
         opt_state, LossScalingState.__name__,
         filtering=lambda _, value: isinstance(value, LossScalingState))
-    if found:
+    # Several wrappers (one per `optax.multi_transform` group) have no fused form to
+    # point at: the plain path is theirs.
+    if len(found) == 1:
         warnings.warn(FUSED_PATH_LOST, _errors.LossScaleWarning, stacklevel=3)
