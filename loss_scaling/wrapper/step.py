@@ -187,18 +187,16 @@ def _finite_leaves(grads: Any, inverse: numerics.Reciprocal | None,
         # rereads about what overflowed, not the whole model.
         return _skip_cond(ok, lambda _: jnp.ones((1,), jnp.bool_), recheck, None)
 
-    # The groups' flags are concatenated and put in leaf order by one static permutation:
+    # The groups' flags concatenated and put in leaf order by one static permutation:
     # per-leaf slices and a stack cost a few equations per leaf to compile.
-    order = [i for group in groups for i in group.indices]
-    ungrouped = sorted(set(range(len(leaves))) - set(order))
-    permutation = np.argsort(np.asarray(order + ungrouped, np.int64))
+    ungrouped, permutation = numerics.leaf_order(groups, len(leaves))
 
     def exact(_: Any) -> tuple[jax.Array, jax.Array]:
         parts = [group_exact(ok, group) for ok, group in zip(cleared, groups, strict=True)]
         if ungrouped:  # integer, bool and empty leaves: always finite
-            parts.append(jnp.ones((len(ungrouped),), jnp.bool_))
+            parts.append(jnp.ones((ungrouped,), jnp.bool_))
         stacked = jnp.concatenate(parts)
-        if np.any(permutation != np.arange(len(permutation))):
+        if permutation is not None:
             stacked = stacked[permutation]
         if axis_name is not None:
             stacked = lax.pmin(stacked.astype(jnp.int32), axis_name) == 1
