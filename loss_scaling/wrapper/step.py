@@ -384,10 +384,15 @@ def guarded_step(options: WrapperOptions, grads: Any, state: LossScalingState, p
                                     operands)
     else:
         # The branches close over their inputs (operand None), as optax.apply_if_finite
-        # does: measured cheaper than passing them when the updates leave the decision.
-        def skip(_: Any) -> Any:
-            out_shapes = jax.eval_shape(step, operands)
-            return optax.tree.full_like(out_shapes[0], -0.0), state.inner_state
+        # does (measured cheaper). The skip's -0.0 take the updates' types from the step
+        # branch, which lax.cond traces first (jax.eval_shape, a second trace, if not).
+        types: list[Any] = []
+        def stepped(_: Any) -> Any:
+            types.append(jax.eval_shape(lambda x: x, (result := step(operands))[0]))
+            return result
 
-        out, new_inner = _skip_cond(decision.apply, lambda _: step(operands), skip, None)
+        def skip(_: Any) -> Any:
+            shapes = types[-1] if types else jax.eval_shape(step, operands)[0]
+            return optax.tree.full_like(shapes, -0.0), state.inner_state
+        out, new_inner = _skip_cond(decision.apply, stepped, skip, None)
     return out, _next_state(options, state, new_inner, decision)
