@@ -315,3 +315,25 @@ def test_ls_train_state_assigns_the_fp8_overwrite_collection_exactly_as_flax_doe
                                     rtol=1e-6)
         state, flax_state = new, reference.replace(opt_state=new.opt_state)
     assert int(ls.metrics(state)["skipped_steps"]) == 1
+
+
+@PATHS
+def test_a_jitted_step_traces_the_inner_update_once(path):
+    """Compile time (issue 23): the plain step's skip takes its ``-0.0`` updates' types from
+    the step branch; a second trace of the inner update (``jax.eval_shape``) doubled the
+    tracing of a large optimizer."""
+    traces = []
+    adam = optax.adam(1e-3)
+
+    def update(updates, state, params=None):
+        traces.append(1)
+        return adam.update(updates, state, params)
+
+    tx = ls.with_loss_scaling(optax.GradientTransformation(adam.init, update))
+    params = {"w": jnp.ones((3,)), "b": jnp.ones((2, 2))}
+    opt_state = tx.init(params)
+    step = jax.jit(make_step(tx, path))
+    for grads in (params, jax.tree.map(lambda x: x * INF, params)):
+        new_params, opt_state = step(grads, opt_state, params)
+    assert len(traces) == 1
+    chex.assert_trees_all_equal(new_params, params)  # the second step, skipped

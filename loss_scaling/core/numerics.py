@@ -291,6 +291,16 @@ def leaf_groups(leaves: Sequence[Any]) -> list[LeafGroup]:
     return groups
 
 
+def leaf_order(groups: Sequence[LeafGroup], n: int) -> tuple[int, np.ndarray | None]:
+    """For one flag per leaf, concatenated group by group and then the leaves in no group:
+    how many leaves are in no group, and the permutation back to leaf order (or ``None``)."""
+    order = [i for group in groups for i in group.indices]
+    order += sorted(set(range(n)) - set(order))
+    permutation = np.argsort(np.asarray(order, np.int64))
+    return n - sum(len(g.indices) for g in groups), (
+        None if np.array_equal(permutation, np.arange(n)) else permutation)
+
+
 def _joined(leaves: Sequence[Any], group: LeafGroup) -> jax.Array:
     """The group's leaves as one vector: the leaf itself, or a concatenated copy.
 
