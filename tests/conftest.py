@@ -74,6 +74,13 @@ SLOW_TESTS = (
     "tests/test_nnx.py::test_a_wrong_first_argument_says_what_it_must_be",
     "tests/test_wrapper_edges.py::test_a_skipped_step_keeps_every_float_dtype_bit_for_bit_but_where_xla_cpu_flushes",
     "tests/test_wrapper_edges.py::test_line_searches_lbfgs_and_sam_run_inside_the_wrapper",
+    "tests/test_wrapper_edges.py::test_metrics_grad_norm_is_the_unscaled_global_norm_and_nonfinite_on_a_skip",
+    "tests/test_integrations.py::test_docs_optax_snippet_runs_both_paths_and_skips_nan_steps",
+    "tests/test_integrations.py::test_docs_train_state_snippet_runs_and_skips_a_nan_step",
+    "tests/test_nnx.py::test_get_loss_scale_and_metrics_accept_the_optimizer_its_state_and_split",
+    "tests/test_overflow.py::test_import_loss_scaling_does_not_import_the_debugging_tools",
+    "tests/test_diagnostics.py::test_nothing_is_compiled_when_the_diagnostics_are_off",
+    "tests/test_diagnostics.py::test_integer_and_bool_params_pass_through_as_in_optax",
     # The debugging tools run op by op: a real model is hundreds of eager compiles.
     "tests/test_overflow.py::test_a_function_sharded_over_8_virtual_devices",  # subprocess
     "tests/test_overflow.py::test_the_train_steps_compiled_text_is_unchanged_by_the_feature",

@@ -1,7 +1,8 @@
 """Many hosts for real: the wrapper on a multi-process ``jax.distributed`` run (CPU, gloo).
 
-Each test module fixture starts N processes of ``multihost_worker.py`` (N = 2 and 4, two
-virtual CPU devices each) on one coordinator at ``127.0.0.1:PORT`` (a free port, picked by
+Each test module fixture starts N processes of ``multihost_worker.py`` (N = 2, and 4 with
+``LS_MULTIHOST_PROCESSES=2,4``; two virtual CPU devices each) on one coordinator at
+``127.0.0.1:PORT`` (a free port, picked by
 binding port 0), plus the single-process runs they are compared with, and asserts on what
 every process wrote. Nothing is read through a collective: each process reports the bytes
 of its own device buffers.
@@ -59,7 +60,9 @@ GUIDE = ROOT / "docs" / "multihost.md"
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
-PROCESS_COUNTS = (2, 4)
+# Two processes by default (CI's 2 cores); LS_MULTIHOST_PROCESSES=2,4 adds four (about two
+# minutes more on 2 cores).
+PROCESS_COUNTS = tuple(int(n) for n in os.environ.get("LS_MULTIHOST_PROCESSES", "2").split(","))
 DEVICES_PER_PROCESS = 2
 SINGLE_DEVICES = 6  # the single-process restore: a device count no multi-process run has
 TIMEOUT_S = 300  # per launch; the whole module takes about 2 minutes on 2 cores
