@@ -8,12 +8,12 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from loss_scaling.demo import RunResult
+# loss_scaling.demo.RunResult; not imported, since the demo imports this module.
+RunResult = Any
 
 
 class _Bar(Protocol):

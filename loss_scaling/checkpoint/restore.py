@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import optax
 
-from loss_scaling import _registry
+import loss_scaling._registry as _registry
 from loss_scaling.checkpoint._values import place_like
 from loss_scaling.checkpoint.config import check_same_config, restore_with_config
 from loss_scaling.checkpoint.state_dict import from_state_dict, state_dict
