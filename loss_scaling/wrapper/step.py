@@ -9,7 +9,6 @@ the loss scale, the counters and the failure register, always, last.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -22,8 +21,8 @@ from loss_scaling import _errors
 from loss_scaling._errors import Failure
 from loss_scaling.core import numerics
 from loss_scaling.core import update as scalers
-from loss_scaling.core.numerics import AxisName
 from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale
+from loss_scaling.wrapper.screen import finite_leaves, skip_cond
 from loss_scaling.wrapper.state import (
     _BELOW_F16_TINY,
     CONSUMED_EXTRA_ARGS,
@@ -36,34 +35,6 @@ from loss_scaling.wrapper.state import (
     failure_message,
     leaf_names,
 )
-
-_varying_axes = numerics.varying_axes
-
-
-def _vary(x: Any, axes: frozenset[Any]) -> Any:
-    missing = axes - _varying_axes(x)
-    return lax.pcast(x, tuple(sorted(missing, key=str)), to="varying") if missing else x
-
-
-def _skip_cond(apply: jax.Array, step: Callable[[Any], Any], skip_step: Callable[[Any], Any],
-               operands: Any) -> Any:
-    """``lax.cond(apply, step, skip_step, operands)``, valid under ``shard_map``'s vma checks.
-
-    Inside ``shard_map`` the two branches can disagree on the mesh axes an output varies
-    over, e.g. tensor-parallel updates vary over "model" where the ``-0.0`` of a skip does
-    not. Each output is cast to the union of both (``pcast`` to varying: a change of type,
-    no communication), so the cond type-checks and the shard_map's ``out_specs`` judge
-    the result. Outside ``shard_map`` this is a plain ``lax.cond``.
-    """
-    if not jax.sharding.get_abstract_mesh().manual_axes:
-        return lax.cond(apply, step, skip_step, operands)
-    stepped, skipped = (jax.eval_shape(f, operands) for f in (step, skip_step))
-    axes = jax.tree.map(lambda a, b: _varying_axes(a) | _varying_axes(b), stepped, skipped)
-
-    def cast(branch: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        return lambda operands: jax.tree.map(_vary, branch(operands), axes)
-
-    return lax.cond(apply, cast(step), cast(skip_step), operands)
 
 
 def _stepped_scaler(scaler: LossScale, finite: jax.Array) -> LossScale:
@@ -138,76 +109,6 @@ class StepDecision(NamedTuple):
     grad_norm: jax.Array  # float32 global norm of the unscaled gradients
 
 
-def _finite_leaves(grads: Any, inverse: numerics.Reciprocal | None,
-                   axis_name: AxisName) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per gradient leaf, whether its unscaled values are all finite; their AND; and the
-    sum of squares of the (scaled) gradients, in float32, for the norm.
-
-    On XLA CPU a plain sum (of squares) is a vectorized read, while a reduction with the
-    unscale or ``abs`` as its producer runs about three times slower (benchmarks/
-    step_breakdown.py). So the CPU step first screens the leaves with sums of squares
-    (the same read gives the gradient norm): a finite sum proves every entry finite, and
-    with a scale of at least 1 (a reciprocal of at most 1) unscaling a finite entry cannot
-    overflow, also not when cast back to a narrow dtype.
-    Only a group the screen does not clear (an inf or NaN, which is then skipped anyway, a
-    sum that overflowed, or everything at a scale below 1) runs the exact test, under a
-    conditional. Small leaves are screened and tested together
-    (:func:`loss_scaling.core.numerics.leaf_groups`): on XLA CPU every kernel of the executable
-    costs about a microsecond per run, those in a branch not taken included, and a small
-    model is all small leaves. Other backends run the exact test directly: a conditional
-    can cost them a host round trip.
-    """
-    leaves = jax.tree.leaves(grads)
-    groups = numerics.leaf_groups(leaves)
-    if jax.default_backend() != "cpu" or not groups:
-        # Sibling reductions of the same leaves: XLA fuses them into one read on GPU.
-        squares = numerics.replica_square_sum([numerics.square_sum(x) for x in leaves],
-                                              axis_name)
-        flags, _ = numerics.unscaled_finite_leaves(grads, inverse, None)
-        flags, squares = numerics.agree(flags, squares, axis_name)
-        return flags, flags.all(), squares
-    small_reciprocal = jnp.asarray(True)
-    if inverse is not None:
-        small_reciprocal = (inverse.normal <= 1) | (inverse.post < 1)
-    sums = [numerics.sum_screen(leaves, group) for group in groups]
-    cleared = [jnp.isfinite(x) & small_reciprocal for x in sums]
-    # The branch must be the same on every replica: one collective for it and the norm.
-    all_cleared, squares = numerics.agree(
-        jnp.stack(cleared).all()[None], numerics.replica_square_sum(sums, axis_name),
-        axis_name)
-    all_cleared = all_cleared[0]
-
-    def group_exact(ok: jax.Array, group: numerics.LeafGroup) -> jax.Array:
-        def recheck(_: Any) -> jax.Array:
-            return numerics.unscaled_group_finite(leaves, group, inverse)
-
-        if group.joined:  # a few small kernels: cheaper than a conditional around them
-            return recheck(None)
-        # A large leaf is read again only if the screen did not clear it: a skipped step
-        # rereads about what overflowed, not the whole model.
-        return _skip_cond(ok, lambda _: jnp.ones((1,), jnp.bool_), recheck, None)
-
-    # The groups' flags concatenated and put in leaf order by one static permutation:
-    # per-leaf slices and a stack cost a few equations per leaf to compile.
-    ungrouped, permutation = numerics.leaf_order(groups, len(leaves))
-
-    def exact(_: Any) -> tuple[jax.Array, jax.Array]:
-        parts = [group_exact(ok, group) for ok, group in zip(cleared, groups, strict=True)]
-        if ungrouped:  # integer, bool and empty leaves: always finite
-            parts.append(jnp.ones((ungrouped,), jnp.bool_))
-        stacked = jnp.concatenate(parts)
-        if permutation is not None:
-            stacked = stacked[permutation]
-        if axis_name is not None:
-            stacked = lax.pmin(stacked.astype(jnp.int32), axis_name) == 1
-        return stacked, stacked.all()
-
-    n = len(leaves)
-    return (*_skip_cond(all_cleared,
-                        lambda _: (jnp.ones((n,), jnp.bool_), jnp.asarray(True)), exact, None),
-            squares)
-
-
 def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
            extra_args: dict) -> StepDecision:
     n_leaves = len(jax.tree.leaves(grads))
@@ -218,7 +119,7 @@ def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
             "diagnostics from the params given to `init`): pass gradients with the structure "
             "of the params the state was initialised with.")
     inverse = _reciprocal(state.scaler)
-    leaf_finite, grads_finite, squares = _finite_leaves(grads, inverse, options.axis_name)
+    leaf_finite, grads_finite, squares = finite_leaves(grads, inverse, options.axis_name)
     grad_norm = jnp.sqrt(squares)
     if inverse is not None:  # unscaled: by the reciprocal's two exact factors
         grad_norm = (grad_norm * inverse.normal) * inverse.post
@@ -380,7 +281,7 @@ def guarded_step(options: WrapperOptions, grads: Any, state: LossScalingState, p
         out = optax.tree.where(decision.apply, stepped, skipped)
         new_inner = optax.tree.where(decision.apply, stepped_inner, state.inner_state)
     elif fused:  # operands passed: XLA reuses the donated buffers
-        out, new_inner = _skip_cond(decision.apply, step, lambda ops: (ops[2], ops[1]),
+        out, new_inner = skip_cond(decision.apply, step, lambda ops: (ops[2], ops[1]),
                                     operands)
     else:
         # The branches close over their inputs (operand None), as optax.apply_if_finite
@@ -394,5 +295,5 @@ def guarded_step(options: WrapperOptions, grads: Any, state: LossScalingState, p
         def skip(_: Any) -> Any:
             shapes = types[-1] if types else jax.eval_shape(step, operands)[0]
             return optax.tree.full_like(shapes, -0.0), state.inner_state
-        out, new_inner = _skip_cond(decision.apply, stepped, skip, None)
+        out, new_inner = skip_cond(decision.apply, stepped, skip, None)
     return out, _next_state(options, state, new_inner, decision)

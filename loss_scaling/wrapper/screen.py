@@ -1,0 +1,118 @@
+"""The one read of the gradients: per-leaf finite flags and the sum of squares, and the
+conditional that guards a step (valid under ``shard_map``).
+
+:func:`finite_leaves` is where the CPU sum screen (its soundness argument is in
+:mod:`loss_scaling.core.numerics`) meets the exact test; :func:`skip_cond` is the
+``lax.cond`` of both the screen and the guarded step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from loss_scaling.core import numerics
+from loss_scaling.core.numerics import AxisName
+
+_varying_axes = numerics.varying_axes
+
+
+def _vary(x: Any, axes: frozenset[Any]) -> Any:
+    missing = axes - _varying_axes(x)
+    return lax.pcast(x, tuple(sorted(missing, key=str)), to="varying") if missing else x
+
+
+def skip_cond(apply: jax.Array, step: Callable[[Any], Any], skip_step: Callable[[Any], Any],
+               operands: Any) -> Any:
+    """``lax.cond(apply, step, skip_step, operands)``, valid under ``shard_map``'s vma checks.
+
+    Inside ``shard_map`` the two branches can disagree on the mesh axes an output varies
+    over, e.g. tensor-parallel updates vary over "model" where the ``-0.0`` of a skip does
+    not. Each output is cast to the union of both (``pcast`` to varying: a change of type,
+    no communication), so the cond type-checks and the shard_map's ``out_specs`` judge
+    the result. Outside ``shard_map`` this is a plain ``lax.cond``.
+    """
+    if not jax.sharding.get_abstract_mesh().manual_axes:
+        return lax.cond(apply, step, skip_step, operands)
+    stepped, skipped = (jax.eval_shape(f, operands) for f in (step, skip_step))
+    axes = jax.tree.map(lambda a, b: _varying_axes(a) | _varying_axes(b), stepped, skipped)
+
+    def cast(branch: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        return lambda operands: jax.tree.map(_vary, branch(operands), axes)
+
+    return lax.cond(apply, cast(step), cast(skip_step), operands)
+
+
+
+def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None,
+                   axis_name: AxisName) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per gradient leaf, whether its unscaled values are all finite; their AND; and the
+    sum of squares of the (scaled) gradients, in float32, for the norm.
+
+    On XLA CPU a plain sum (of squares) is a vectorized read, while a reduction with the
+    unscale or ``abs`` as its producer runs about three times slower (benchmarks/
+    step_breakdown.py). So the CPU step first screens the leaves with sums of squares
+    (the same read gives the gradient norm): a finite sum proves every entry finite, and
+    with a scale of at least 1 (a reciprocal of at most 1) unscaling a finite entry cannot
+    overflow, also not when cast back to a narrow dtype.
+    Only a group the screen does not clear (an inf or NaN, which is then skipped anyway, a
+    sum that overflowed, or everything at a scale below 1) runs the exact test, under a
+    conditional. Small leaves are screened and tested together
+    (:func:`loss_scaling.core.numerics.leaf_groups`): on XLA CPU every kernel of the executable
+    costs about a microsecond per run, those in a branch not taken included, and a small
+    model is all small leaves. Other backends run the exact test directly: a conditional
+    can cost them a host round trip.
+    """
+    leaves = jax.tree.leaves(grads)
+    groups = numerics.leaf_groups(leaves)
+    if jax.default_backend() != "cpu" or not groups:
+        # Sibling reductions of the same leaves: XLA fuses them into one read on GPU.
+        squares = numerics.replica_square_sum([numerics.square_sum(x) for x in leaves],
+                                              axis_name)
+        flags, _ = numerics.unscaled_finite_leaves(grads, inverse, None)
+        flags, squares = numerics.agree(flags, squares, axis_name)
+        return flags, flags.all(), squares
+    small_reciprocal = jnp.asarray(True)
+    if inverse is not None:
+        small_reciprocal = (inverse.normal <= 1) | (inverse.post < 1)
+    sums = [numerics.sum_screen(leaves, group) for group in groups]
+    cleared = [jnp.isfinite(x) & small_reciprocal for x in sums]
+    # The branch must be the same on every replica: one collective for it and the norm.
+    all_cleared, squares = numerics.agree(
+        jnp.stack(cleared).all()[None], numerics.replica_square_sum(sums, axis_name),
+        axis_name)
+    all_cleared = all_cleared[0]
+
+    def group_exact(ok: jax.Array, group: numerics.LeafGroup) -> jax.Array:
+        def recheck(_: Any) -> jax.Array:
+            return numerics.unscaled_group_finite(leaves, group, inverse)
+
+        if group.joined:  # a few small kernels: cheaper than a conditional around them
+            return recheck(None)
+        # A large leaf is read again only if the screen did not clear it: a skipped step
+        # rereads about what overflowed, not the whole model.
+        return skip_cond(ok, lambda _: jnp.ones((1,), jnp.bool_), recheck, None)
+
+    # The groups' flags concatenated and put in leaf order by one static permutation:
+    # per-leaf slices and a stack cost a few equations per leaf to compile.
+    ungrouped, permutation = numerics.leaf_order(groups, len(leaves))
+
+    def exact(_: Any) -> tuple[jax.Array, jax.Array]:
+        parts = [group_exact(ok, group) for ok, group in zip(cleared, groups, strict=True)]
+        if ungrouped:  # integer, bool and empty leaves: always finite
+            parts.append(jnp.ones((ungrouped,), jnp.bool_))
+        stacked = jnp.concatenate(parts)
+        if permutation is not None:
+            stacked = stacked[permutation]
+        if axis_name is not None:
+            stacked = lax.pmin(stacked.astype(jnp.int32), axis_name) == 1
+        return stacked, stacked.all()
+
+    n = len(leaves)
+    return (*skip_cond(all_cleared,
+                        lambda _: (jnp.ones((n,), jnp.bool_), jnp.asarray(True)), exact, None),
+            squares)
