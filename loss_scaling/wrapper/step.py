@@ -154,8 +154,7 @@ def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
 
 
 def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: Any,
-                decision: StepDecision,
-                underflow_now: UnderflowStats | None = None) -> LossScalingState:
+                decision: StepDecision) -> LossScalingState:
     applied = decision.apply
     if options.nonfinite_loss == "skip":
         # The forward pass, not the scale, made the loss non-finite: leave the scale be.
@@ -176,9 +175,9 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
                               state.clean_growths + grew.astype(jnp.int32), 0)
     underflow = None
     if state.underflow is not None:  # non-finite gradients have no fractions: keep the last
-        if underflow_now is None:
-            underflow_now = _underflow_stats(decision.grads, decision.inverse)
-        underflow = optax.tree.where(decision.grads_finite, underflow_now, state.underflow)
+        underflow = optax.tree.where(decision.grads_finite,
+                                     _underflow_stats(decision.grads, decision.inverse),
+                                     state.underflow)
     # Flags of the last step skipped for its gradients; frozen once the run has failed.
     keep_flags = applied | ~decision.healthy | decision.grads_finite
     new_state = LossScalingState(
@@ -278,42 +277,6 @@ def _inner_step(options: WrapperOptions, inverse: numerics.Reciprocal | None,
     return out, _in_dtypes_of(new_inner, inner_state)
 
 
-def _fused_with_replay(options: WrapperOptions, state: LossScalingState, params: Any,
-                       extra_args: dict[str, Any],
-                       decision: StepDecision) -> tuple[Any, LossScalingState]:
-    """The fused conditional step with the replay in its *skip* branch: a healthy step runs
-    the branch it runs without replay (measured: a ``lax.while_loop`` ahead of the
-    conditional costs a dispatch-bound step about 1.5x, benchmarks/replay_cost.py); an
-    overflowed one replays, then steps or skips under a conditional of its own. Only
-    scalars, the flags and the scaler leave the branches (and, opt-in, the underflow
-    statistics of the gradients that were applied)."""
-    with_stats = state.underflow is not None
-    skip = lambda ops: (ops[2], ops[1])  # noqa: E731
-
-    def summary(d: StepDecision, scaler: LossScale) -> Any:
-        stats = _underflow_stats(d.grads, d.inverse) if with_stats else None
-        return d._replace(grads=None, inverse=None), scaler, stats
-
-    def first(ops: Any) -> Any:
-        return (*_inner_step(options, decision.inverse, extra_args, True, ops),
-                summary(decision, state.scaler))
-
-    def replayed(ops: Any) -> Any:
-        # The gradients from the operands, not closed over: XLA aliases the donated buffers.
-        final, scaler, extra = replay.replay(options, state._replace(inner_state=ops[1]),
-                                             ops[2], extra_args,
-                                             decision._replace(grads=ops[0]), decide)
-        step = functools.partial(_inner_step, options, final.inverse, extra, True)
-        return (*skip_cond(final.apply, step, skip, (final.grads, ops[1], ops[2])),
-                summary(final, scaler))
-
-    operands = (decision.grads, state.inner_state, params)
-    out, new_inner, (final, scaler, stats) = skip_cond(decision.apply, first, replayed,
-                                                       operands)
-    final = final._replace(grads=decision.grads)  # for the leaves' names
-    return out, _next_state(options, state._replace(scaler=scaler), new_inner, final, stats)
-
-
 def guarded_step(options: WrapperOptions, grads: Any, state: LossScalingState, params: Any,
                  extra_args: dict[str, Any], *, fused: bool) -> tuple[Any, LossScalingState]:
     """The one step of both paths: decide, then step or skip, then the next state.
@@ -324,8 +287,6 @@ def guarded_step(options: WrapperOptions, grads: Any, state: LossScalingState, p
     """
     decision = decide(options, grads, state, extra_args)
     mode = _resolve_skip(options.skip, fused)
-    if replay.enabled(options, state) and fused and mode == "cond":
-        return _fused_with_replay(options, state, params, extra_args, decision)
     if replay.enabled(options, state):  # the batch recomputed while it overflows
         decision, scaler, extra_args = replay.replay(options, state, params, extra_args,
                                                      decision, decide)
