@@ -50,7 +50,9 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       overflow, which points at a loss that was not scaled, or a model that needs no
       scaling); ``grad_norm`` (float32: the global norm of the last step's unscaled
       gradients, inf on a step skipped for them, see
-      :class:`loss_scaling.LossScalingState`). With ``underflow_diagnostics=True``:
+      :class:`loss_scaling.LossScalingState`); ``replays`` (batches recomputed at a
+      backed-off scale in total, with ``max_replays``; docs/replay.md) and
+      ``last_step_replays`` (those of the last step). With ``underflow_diagnostics=True``:
       ``zero_grad_fraction`` and ``small_grad_fraction`` (overall, weighted by leaf size)
       and their ``..._per_leaf`` vectors (see :class:`loss_scaling.UnderflowStats`).
 
@@ -62,7 +64,7 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       {'loss_scale': 32768.0, 'growth_tracker': 0, 'skipped_steps': 0,
        'consecutive_skips': 0, 'last_step_finite': True, 'nonfinite_loss_steps': 0,
        'nonfinite_grad_leaves': 0, 'failed': False, 'failure': 0, 'clean_growths': 0,
-       'scale_suspicious': False, 'grad_norm': 0.0}
+       'scale_suspicious': False, 'grad_norm': 0.0, 'replays': 0, 'last_step_replays': 0}
     """
     refuse_wrapper_inside_multisteps(opt_state)
     state = _get_wrapper_state(opt_state, path)
@@ -81,6 +83,8 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
         "clean_growths": state.clean_growths,
         "scale_suspicious": state.clean_growths >= SUSPICIOUS_GROWTHS,
         "grad_norm": state.grad_norm,
+        "replays": state.replays,
+        "last_step_replays": state.last_step_replays,
         **_underflow_metrics(state.underflow),
     }
 

@@ -203,3 +203,34 @@ def update(
 
 def _message_from_leaves(config: DynamicConfig) -> Any:
     return lambda *leaves: failure_message(DynamicLossScale._from_parts(config, leaves))
+
+
+def backoff_now(state: DynamicLossScale) -> DynamicLossScale:
+    """The scale backed off at once, hysteresis ignored: what a replayed batch runs at.
+
+    ``loss_scale * backoff_factor``, clamped at ``min_scale``; ``growth_tracker`` reset to
+    0, ``nonfinite_tracker`` kept. Fail closed as :func:`update`: a backoff below the
+    normal float32 range (or a scale that is not a positive normal float32) records its
+    :class:`~loss_scaling.Failure` code and keeps every value; a failed state is returned
+    unchanged. Pure and jit-able; it never raises.
+
+    Examples:
+      >>> import loss_scaling as ls
+      >>> from loss_scaling.core.update import backoff_now
+      >>> s = backoff_now(ls.DynamicLossScale(init_scale=1024.0, hysteresis=3))
+      >>> float(s.loss_scale), int(s.growth_tracker), int(s.failure)
+      (512.0, 0, 0)
+    """
+    config = state.config
+    scale, tracker, streak = state.loss_scale, state.growth_tracker, state.nonfinite_tracker
+    healthy = state.failure == 0
+    shrunk = scale * jnp.float32(config.backoff_factor)
+    if config.min_scale is not None:
+        shrunk = jnp.maximum(shrunk, jnp.float32(config.min_scale))
+    code = jnp.where(~is_positive_normal(scale), Failure.INVALID_SCALE,
+                     jnp.where(shrunk >= jnp.float32(_F32.tiny), Failure.NONE,
+                               Failure.BACKOFF_UNDERFLOW))
+    keep = ~healthy | (code != Failure.NONE)
+    return DynamicLossScale._from_parts(config, (
+        jnp.where(keep, scale, shrunk), jnp.where(keep, tracker, jnp.zeros_like(tracker)),
+        streak, jnp.where(healthy, code.astype(jnp.int32), state.failure)))

@@ -63,18 +63,24 @@ def positive_normal_float32(name: str, value: Any) -> float:
     return float(as_f32)
 
 
-def positive_int32(name: str, value: Any) -> int:
+def int_in_range(name: str, value: Any, low: int, high: int, hint: str = "") -> int:
+    """``value`` as a Python int in ``[low, high]``, else a ValueError naming it (+ ``hint``)."""
     if isinstance(value, (bool, np.bool_)) or _is_traced(value):
-        raise ValueError(f"{name} must be an integer, got {show(value)}.")
+        raise ValueError(f"{name} must be an integer, got {show(value)}.{hint}")
     try:
         as_int = operator.index(value)
     except TypeError:
         raise ValueError(
             f"{name} must be an integer, got {show(value)} of type {type(value).__name__}."
-        ) from None
-    if not 1 <= as_int <= _INT32_MAX:
-        raise ValueError(f"{name} must be an integer in [1, {_INT32_MAX}], got {show(value)}.")
+            f"{hint}") from None
+    if not low <= as_int <= high:
+        raise ValueError(
+            f"{name} must be an integer in [{low}, {high}], got {show(value)}.{hint}")
     return as_int
+
+
+def positive_int32(name: str, value: Any) -> int:
+    return int_in_range(name, value, 1, _INT32_MAX)
 
 
 def _growth_factor(value: Any) -> float:
