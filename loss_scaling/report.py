@@ -15,7 +15,6 @@ import optax
 from loss_scaling import _errors
 from loss_scaling.core import update as scalers
 from loss_scaling.core.scalers import (
-    _DYNAMIC_LEAVES,
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
@@ -254,9 +253,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
             failed = _first_failing(state, failure)
             if isinstance(failed, DynamicLossScale):
                 code = failure.reshape(-1)[int(np.argmax(failure.reshape(-1) != 0))]
-                failed = DynamicLossScale._from_parts(failed.config, (
-                    *(getattr(failed, n) for n in _DYNAMIC_LEAVES[:-1]),
-                    np.asarray(code, np.int32)))
+                failed = failed._replace(failure=np.asarray(code, np.int32))
             raise _errors.LossScaleError(scalers.failure_message(failed))
         return
     refuse_wrapper_inside_multisteps(state)

@@ -329,6 +329,24 @@ def sum_screen(leaves: Sequence[Any], group: LeafGroup) -> jax.Array:
                jnp.zeros((), compute))
 
 
+def screen_with_peak(leaves: Sequence[Any], group: LeafGroup) -> tuple[jax.Array, jax.Array]:
+    """:func:`sum_screen` and, from the same squares, their max (``max |x|**2``, float32):
+    sibling reductions of one read, which XLA fuses (``sqrt`` of the max is max |x|)."""
+    x = _joined(leaves, group)
+    compute = compute_dtype(x.dtype)
+    parts = [jnp.real(x), jnp.imag(x)] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
+    squares = [jnp.square(p.astype(compute)) for p in parts]
+    total = sum((jnp.sum(q, dtype=compute) for q in squares), jnp.zeros((), compute))
+    return total, jnp.max(sum(squares[1:], squares[0])).astype(jnp.float32)
+
+
+def square_peak(x: Any) -> jax.Array:
+    """``max(|x|**2)`` of one floating leaf as float32 (0 for other and empty leaves)."""
+    if not is_floating(x) or not jnp.size(x):
+        return jnp.zeros((), jnp.float32)
+    return screen_with_peak([x], LeafGroup((0,), joined=False))[1]
+
+
 def square_sum(x: Any) -> jax.Array:
     """``sum(|x|**2)`` of one floating leaf in its compute dtype (0 for other leaves)."""
     if not is_floating(x) or not jnp.size(x):
@@ -380,8 +398,8 @@ def _axis_names(axis_name: AxisName) -> tuple[Any, ...]:
     return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
-def agree(flags: jax.Array, squares: jax.Array,
-          axis_name: AxisName) -> tuple[jax.Array, jax.Array]:
+def agree(flags: jax.Array, squares: jax.Array, axis_name: AxisName,
+          peak: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """Flags ANDed, and the sum of squares made one value, over the replicas: ONE ``pmin``.
 
     ``pmin(-x)`` is ``-pmax(x)``: where JAX does not track what varies (``pmap``,
@@ -389,9 +407,22 @@ def agree(flags: jax.Array, squares: jax.Array,
     sum (an inf on one replica reaches all) is the one every replica reports. A NaN sum
     reads +inf first: the min of an all-reduce need not propagate NaN, and the norm of
     non-finite gradients is then inf on every path and device.
+
+    With ``peak`` (the largest squared entry, for ``growth="headroom"``) it rides in the
+    same ``pmin``: every replica gets the largest one (a tensor-parallel shard's included)
+    and takes the same growth decision. Returns ``(flags, squares)``, or with ``peak``
+    ``(flags, squares, peak)``.
     """
     squares = jnp.where(jnp.isnan(squares), jnp.inf, squares)
+    if peak is not None:
+        peak = jnp.where(jnp.isnan(peak), jnp.inf, peak)
     if axis_name is None:
-        return flags, squares
-    both = lax.pmin(jnp.concatenate([flags.astype(jnp.float32), -squares[None]]), axis_name)
-    return both[:-1] == 1, -both[-1]
+        return (flags, squares) if peak is None else (flags, squares, peak)
+    if peak is None:
+        both = lax.pmin(jnp.concatenate([flags.astype(jnp.float32), -squares[None]]),
+                        axis_name)
+        return both[:-1] == 1, -both[-1]
+    n = flags.shape[0]
+    every = lax.pmin(jnp.concatenate([flags.astype(jnp.float32), -squares[None],
+                                      -peak[None]]), axis_name)
+    return every[:n] == 1, -every[n], -every[n + 1]

@@ -48,10 +48,23 @@ def skip_cond(apply: jax.Array, step: Callable[[Any], Any], skip_step: Callable[
 
 
 
-def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None,
-                   axis_name: AxisName) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per gradient leaf, whether its unscaled values are all finite; their AND; and the
-    sum of squares of the (scaled) gradients, in float32, for the norm.
+def _peak(peaks: list[jax.Array]) -> jax.Array:
+    """The largest of per-leaf (or per-group) squared maxima, float32 (0 for none)."""
+    return jnp.max(jnp.stack(peaks)) if peaks else jnp.zeros((), jnp.float32)
+
+
+def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None, axis_name: AxisName,
+                  with_max: bool = False) -> tuple[jax.Array, jax.Array, jax.Array,
+                                                   jax.Array | None]:
+    """Per gradient leaf, whether its unscaled values are all finite; their AND; the
+    sum of squares of the (scaled) gradients, in float32, for the norm; and with
+    ``with_max`` (``growth="headroom"``) the largest |entry| of the scaled gradients
+    (float32, agreed over ``axis_name``), else None.
+
+    The max is the largest *square*'s square root: a sibling reduction of the same
+    squares the screen sums (one read), taken in the same collective. A square that
+    overflows float32 (an entry above 1.8e19) reads inf, which the headroom rule treats
+    as no room to grow: right, since such a gradient leaves none in float16 either.
 
     On XLA CPU a plain sum (of squares) is a vectorized read, while a reduction with the
     unscale or ``abs`` as its producer runs about three times slower (benchmarks/
@@ -74,18 +87,30 @@ def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None,
         squares = numerics.replica_square_sum([numerics.square_sum(x) for x in leaves],
                                               axis_name)
         flags, _ = numerics.unscaled_finite_leaves(grads, inverse, None)
+        if with_max:
+            flags, squares, peak = numerics.agree(
+                flags, squares, axis_name, _peak([numerics.square_peak(x) for x in leaves]))
+            return flags, flags.all(), squares, jnp.sqrt(peak)
         flags, squares = numerics.agree(flags, squares, axis_name)
-        return flags, flags.all(), squares
+        return flags, flags.all(), squares, None
     small_reciprocal = jnp.asarray(True)
     if inverse is not None:
         small_reciprocal = (inverse.normal <= 1) | (inverse.post < 1)
-    sums = [numerics.sum_screen(leaves, group) for group in groups]
+    peak = None
+    if with_max:
+        sums, peaks = map(list, zip(*(numerics.screen_with_peak(leaves, group)
+                                      for group in groups), strict=True))
+        peak = _peak(peaks)
+    else:
+        sums = [numerics.sum_screen(leaves, group) for group in groups]
     cleared = [jnp.isfinite(x) & small_reciprocal for x in sums]
-    # The branch must be the same on every replica: one collective for it and the norm.
-    all_cleared, squares = numerics.agree(
+    # The branch must be the same on every replica: one collective for it, the norm and
+    # the max.
+    all_cleared, squares, *agreed_peak = numerics.agree(
         jnp.stack(cleared).all()[None], numerics.replica_square_sum(sums, axis_name),
-        axis_name)
+        axis_name, peak)
     all_cleared = all_cleared[0]
+    grads_max = jnp.sqrt(agreed_peak[0]) if with_max else None
 
     def group_exact(ok: jax.Array, group: numerics.LeafGroup) -> jax.Array:
         def recheck(_: Any) -> jax.Array:
@@ -115,4 +140,4 @@ def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None,
     n = len(leaves)
     return (*skip_cond(all_cleared,
                         lambda _: (jnp.ones((n,), jnp.bool_), jnp.asarray(True)), exact, None),
-            squares)
+            squares, grads_max)
