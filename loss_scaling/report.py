@@ -49,7 +49,13 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       overflow, which points at a loss that was not scaled, or a model that needs no
       scaling); ``grad_norm`` (float32: the global norm of the last step's unscaled
       gradients, inf on a step skipped for them, see
-      :class:`loss_scaling.LossScalingState`). With ``underflow_diagnostics=True``:
+      :class:`loss_scaling.LossScalingState`). With ``growth="headroom"``:
+      ``grad_max_window`` (the largest unscaled max |g| of the recent clean steps, the
+      window the rule reads), ``headroom_log2`` (``log2(finfo(headroom_dtype).max /
+      (loss_scale * grad_max_window))``: how many doublings the scale leaves before that
+      maximum would overflow, at least ``log2(headroom_margin)`` right after a headroom
+      growth; inf while the window is empty) and ``scale_ceiling`` (the scaler's
+      ``ceiling``). With ``underflow_diagnostics=True``:
       ``zero_grad_fraction`` and ``small_grad_fraction`` (overall, weighted by leaf size)
       and their ``..._per_leaf`` vectors (see :class:`loss_scaling.UnderflowStats`).
 
@@ -80,7 +86,23 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
         "clean_growths": state.clean_growths,
         "scale_suspicious": state.clean_growths >= SUSPICIOUS_GROWTHS,
         "grad_norm": state.grad_norm,
+        **_headroom_metrics(scaler),
         **_underflow_metrics(state.underflow),
+    }
+
+
+def _headroom_metrics(scaler: Any) -> dict[str, jax.Array]:
+    """``growth="headroom"`` only: the recent maximum, the room it leaves, the ceiling."""
+    if getattr(scaler, "grad_max_history", None) is None:
+        return {}
+    config = scaler.config
+    dtype = "float16" if config is None else config.headroom_dtype
+    peak = jnp.max(scaler.grad_max_history, axis=-1)
+    limit = jnp.float32(jnp.finfo(jnp.dtype(dtype)).max)
+    return {
+        "grad_max_window": peak,
+        "headroom_log2": jnp.log2(limit) - jnp.log2(scaler.loss_scale) - jnp.log2(peak),
+        "scale_ceiling": scaler.ceiling,
     }
 
 

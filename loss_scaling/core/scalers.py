@@ -161,9 +161,10 @@ class DynamicLossScale:
       (2048.0, 0)
       >>> float(ls.update(s, False).loss_scale)
       1024.0
+      >>> import jax.numpy as jnp
       >>> h = ls.DynamicLossScale(init_scale=1.0, growth="headroom", headroom_window=2)
-      >>> for _ in range(2):   # |g| at most 2 (scaled by 1): room for 2**11 * 16 * 2
-      ...     h = ls.update(h, True, grads_max=jnp.float32(2.0))
+      >>> for _ in range(2):   # max |g| 1 at scale 1: 2**11 * 16 * 1 <= 65504 < 2**12 * 16
+      ...     h = ls.update(h, True, grads_max=jnp.float32(1.0))
       >>> float(h.loss_scale)
       2048.0
     """
