@@ -298,3 +298,16 @@ def test_docs_blocks_run_on_every_path(results):
         assert metrics["skipped_steps"].tolist() == [1] * N_DEVICES, i
         assert metrics["loss_scale"].tolist() == [2.0**14] * N_DEVICES, i
         assert snippet["cache_size"] in (1, None), i
+
+
+# --------------------------------------------------------------- growth="headroom"
+
+
+@pytest.mark.parametrize("path", ["pmap", "shard_map/True", "shard_map/False", "jit"])
+def test_headroom_growth_takes_the_max_over_every_device(results, path):
+    """Device i's gradients peak at (i + 1) / 64: every device records the global max,
+    1/8, and grows to the same scale, 2**14 (2**14 * 16 / 8 <= 65504 < 2**15 * 16 / 8),
+    where its own max (1/64) would have let device 0 grow to 2**17."""
+    run = scenario(results, "headroom")[path]
+    assert run["loss_scale"].tolist() == [2.0**14] * N_DEVICES
+    assert [h.tolist() for h in run["history"]] == [[0.125]] * N_DEVICES
