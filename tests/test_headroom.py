@@ -4,9 +4,11 @@ its validation, the wrapper's max from the finite screen, and checkpoints that r
 The model restates the rule of the ``DynamicLossScale`` docstring in numpy float32:
 
 * clean step: ``growth_tracker += 1`` (0 and the ceiling times ``growth_factor``, capped
-  at the top of the range, on the ``growth_interval``-th); the unscaled max
-  ``|grads_max / scale|`` (float32 max if not finite) goes into slot ``headroom_tracker %
-  window``; ``headroom_tracker += 1`` (from ``2 * window - 1`` back to ``window``); once
+  at the top of the range, on the ``growth_interval``-th); on every clean step while
+  ``headroom_tracker < window``, then on those with ``growth_tracker % window == 0``
+  (before the step), the unscaled max ``|grads_max / scale|`` (float32 max if not
+  finite) goes into slot ``headroom_tracker % window`` and ``headroom_tracker += 1``
+  (from ``2 * window - 1`` back to ``window``); once
   ``headroom_tracker >= window`` the scale becomes ``T = min(2**floor(log2(ratio)),
   ceiling, top)`` with ``ratio = finfo(dtype).max / (margin * max(history))`` if ``T`` is
   larger;
@@ -27,8 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import test_update_rule as interval_rule
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from test_update_rule import FailClosed, f32
 
 import loss_scaling as ls
 from loss_scaling.core.update import backoff_now
@@ -40,23 +44,13 @@ TINY, F32_MAX = float(F32.tiny), float(F32.max)
 # ------------------------------------------------------------------------ reference model
 
 
-class FailClosed(Exception):
-    """The model's verdict: this step fails with a loss-scale error."""
-
-
 @dataclasses.dataclass(frozen=True)
-class Model:
-    scale: np.float32
-    growth_tracker: int
-    nonfinite_tracker: int
+class Model(interval_rule.Model):
+    """The interval rule's model state and the headroom rule's three leaves."""
+
     history: tuple[np.float32, ...]
     headroom_tracker: int
     ceiling: np.float32
-
-
-def f32(x: Any) -> np.float32:
-    with np.errstate(all="ignore"):
-        return np.float32(x)
 
 
 def top(config: dict) -> np.float32:
@@ -84,10 +78,10 @@ def model_clean(config: dict, m: Model, grads_max: float) -> Model:
         unscaled = np.abs(f32(f32(grads_max) / m.scale))
         unscaled = unscaled if np.isfinite(unscaled) else f32(F32_MAX)
         unscaled = unscaled if unscaled >= TINY else f32(0)   # XLA CPU flushes subnormals
-        history = list(m.history)
-        history[m.headroom_tracker % window] = unscaled
-        steps = m.headroom_tracker + 1
-        steps = window if steps >= 2 * window else steps
+        history, steps = list(m.history), m.headroom_tracker
+        if steps < window or m.growth_tracker % window == 0:   # records this step's max
+            history[steps % window] = unscaled
+            steps = window if steps + 1 >= 2 * window else steps + 1
         limit = f32(float(jnp.finfo(jnp.dtype(config["headroom_dtype"])).max))
         ratio = min(f32(limit / f32(f32(config["headroom_margin"]) * max(history))),
                     f32(F32_MAX))

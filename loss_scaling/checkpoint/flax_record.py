@@ -54,7 +54,8 @@ _SCALER_CLASSES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 #   ndim u8 | dims u32[ndim] | (kind 3: window u32) |
 #   each leaf (leaf_names order), little-endian float32 / int32, C order | crc32 u32
 # of everything before it. The dims are the scalar leaves' shape (replica axes, or none);
-# grad_max_history has the dims and then the window. One msgpack `bin`: msgpack never decodes inside it, so a
+# grad_max_history has the dims and then the window.
+# One msgpack `bin`: msgpack never decodes inside it, so a
 # corrupted byte of the record reaches `_flax_from_state_dict` (a ValueError naming the
 # field), and the CRC-32 refuses every 1- to 32-bit burst and all but 2**-32 of the rest:
 # a flipped bit of the scale's float32 can give another in-range scale, which no range
@@ -132,7 +133,7 @@ def _read_record(target: LossScale, record: bytes) -> dict[str, np.ndarray]:
                 f"the bytes hold a headroom_window of {saved_window}, the target's is "
                 f"{window}: build the target with the saved configuration.")
     count = int(np.prod(shape, dtype=np.int64))
-    sizes = {n: count * (window if n == "grad_max_history" else 1) for n in names}
+    sizes = {n: count * (window or 1 if n == "grad_max_history" else 1) for n in names}
     if len(record) != offset + 4 * sum(sizes.values()) + 4:
         raise _flax_error(f"the record's length ({len(record)} bytes) does not match its "
                           f"shape {shape}.")
@@ -169,7 +170,7 @@ def _expected_shape(target: LossScale, target_leaf: Any, name: str) -> tuple[int
     included); a None placeholder stands for an unreplicated leaf."""
     if target_leaf is not None:
         return tuple(np.shape(target_leaf))
-    return () if name != "grad_max_history" else (_window(target),)
+    return () if name != "grad_max_history" else (_window(target) or 0,)
 
 
 def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:

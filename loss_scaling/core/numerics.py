@@ -329,22 +329,20 @@ def sum_screen(leaves: Sequence[Any], group: LeafGroup) -> jax.Array:
                jnp.zeros((), compute))
 
 
-def screen_with_peak(leaves: Sequence[Any], group: LeafGroup) -> tuple[jax.Array, jax.Array]:
-    """:func:`sum_screen` and, from the same squares, their max (``max |x|**2``, float32):
-    sibling reductions of one read, which XLA fuses (``sqrt`` of the max is max |x|)."""
+def group_square_peak(leaves: Sequence[Any], group: LeafGroup) -> jax.Array:
+    """The largest ``|x|**2`` of the group's leaves as float32 (complex: ``re**2 +
+    im**2``); its square root is their max |entry|."""
     x = _joined(leaves, group)
     compute = compute_dtype(x.dtype)
     parts = [jnp.real(x), jnp.imag(x)] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
-    squares = [jnp.square(p.astype(compute)) for p in parts]
-    total = sum((jnp.sum(q, dtype=compute) for q in squares), jnp.zeros((), compute))
-    return total, jnp.max(sum(squares[1:], squares[0])).astype(jnp.float32)
+    return jnp.max(sum(jnp.square(p.astype(compute)) for p in parts)).astype(jnp.float32)
 
 
 def square_peak(x: Any) -> jax.Array:
     """``max(|x|**2)`` of one floating leaf as float32 (0 for other and empty leaves)."""
     if not is_floating(x) or not jnp.size(x):
         return jnp.zeros((), jnp.float32)
-    return screen_with_peak([x], LeafGroup((0,), joined=False))[1]
+    return group_square_peak([x], LeafGroup((0,), joined=False))
 
 
 def square_sum(x: Any) -> jax.Array:

@@ -181,6 +181,7 @@ class DynamicLossScale:
     headroom_tracker: jax.Array | None
     ceiling: jax.Array | None
     config: DynamicConfig
+    _names: tuple[str, ...]
 
     def __init__(
         self,

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import jax
 import jax.numpy as jnp
@@ -93,25 +93,50 @@ def _headroom_clean(state: DynamicLossScale, grads_max: jax.Array, lifts: jax.Ar
     """The headroom rule's clean step: record the unscaled max, lift the ceiling on the
     growth_interval-th clean step, and once the window is full grow to the target."""
     config = state.config
-    window = config.headroom_window
-    assert window is not None and state.grad_max_history is not None
-    scale, steps = state.loss_scale, state.headroom_tracker
+    old_history, steps, old_ceiling, window = _headroom_parts(state)
+    scale = state.loss_scale
+    records = records_max(state)
     # Unscaled by a division (a scalar): a subnormal quotient may flush to 0, which
     # counts as an empty entry. A non-finite max (inconsistent input) counts as no room.
     unscaled = jnp.abs(grads_max / scale)
     unscaled = jnp.where(jnp.isfinite(unscaled), unscaled, jnp.float32(_F32.max))
-    history = lax.dynamic_update_index_in_dim(state.grad_max_history, unscaled,
-                                              steps % window, axis=0)
+    history = jnp.where(records, lax.dynamic_update_index_in_dim(
+        old_history, unscaled, steps % window, axis=0), old_history)
     counted = steps + 1
     counted = jnp.where(counted >= 2 * window, jnp.full_like(steps, window), counted)
+    counted = jnp.where(records, counted, steps)
     high = jnp.float32(scale_range(config)[1])
-    ceiling = jnp.where(lifts, jnp.minimum(state.ceiling * jnp.float32(config.growth_factor),
-                                           high), state.ceiling)
+    ceiling = jnp.where(lifts, jnp.minimum(old_ceiling * jnp.float32(config.growth_factor),
+                                           high), old_ceiling)
     target = headroom_target(config, jnp.max(history), jnp.minimum(ceiling, high))
     grows = (counted >= window) & (target > scale)
     return {"loss_scale": jnp.where(grows, target, scale),
             "growth_tracker": jnp.where(lifts, jnp.zeros_like(counted_clean), counted_clean),
             "grad_max_history": history, "headroom_tracker": counted, "ceiling": ceiling}
+
+
+def _headroom_parts(state: DynamicLossScale) -> tuple[jax.Array, jax.Array, jax.Array, int]:
+    """``(grad_max_history, headroom_tracker, ceiling, headroom_window)`` of a headroom
+    state."""
+    parts = (state.grad_max_history, state.headroom_tracker, state.ceiling,
+             state.config.headroom_window)
+    assert all(part is not None for part in parts), "not a growth='headroom' state"
+    return cast(tuple[jax.Array, jax.Array, jax.Array, int], parts)
+
+
+def records_max(state: DynamicLossScale) -> jax.Array:
+    """Whether a clean step of this headroom state records its ``grads_max`` (a bool).
+
+    Every clean step while the window fills (after the start and after each backoff:
+    ``headroom_tracker < headroom_window``), then one clean step in ``headroom_window``
+    (``growth_tracker % headroom_window == 0``). The sparse steady state is for XLA on
+    CPU, which cannot fuse a max into the finite screen's sum: the wrapper reads the
+    max there, in a second pass under a conditional, only on the steps that record it
+    (docs/headroom.md has the measured cost). The rule decides it, not the backend: a
+    run takes the same decisions on every backend and device.
+    """
+    _, steps, _, window = _headroom_parts(state)
+    return (steps < window) | (state.growth_tracker % window == 0)
 
 
 def headroom_target(config: DynamicConfig, peak: jax.Array, cap: jax.Array) -> jax.Array:
@@ -168,13 +193,13 @@ def _dynamic_step(
     if config.growth == "headroom":
         # A backoff sets the ceiling strictly below the scale that overflowed (to the
         # backed-off scale) and starts the window over: growth waits `window` clean steps.
-        stepped["grad_max_history"] = jnp.where(finite, clean["grad_max_history"],
-                                                state.grad_max_history)
+        history, steps, ceiling, _ = _headroom_parts(state)
+        stepped["grad_max_history"] = jnp.where(finite, clean["grad_max_history"], history)
         stepped["headroom_tracker"] = jnp.where(
-            finite, clean["headroom_tracker"],
-            jnp.where(backs_off, jnp.zeros_like(streak), state.headroom_tracker))
+            finite, clean["headroom_tracker"], jnp.where(backs_off, jnp.zeros_like(steps),
+                                                         steps))
         stepped["ceiling"] = jnp.where(finite, clean["ceiling"],
-                                       jnp.where(backs_off, shrunk, state.ceiling))
+                                       jnp.where(backs_off, shrunk, ceiling))
     new_leaves = {name: jnp.where(frozen, getattr(state, name), value)
                   for name, value in stepped.items()}
     new_leaves["failure"] = jnp.where(healthy, code.astype(jnp.int32), state.failure)

@@ -293,8 +293,8 @@ def _scaler_from_mapping(node: Any) -> LossScale:
         return jax.tree.unflatten(jax.tree.structure(StaticLossScale(1.0)), [node["loss_scale"]])
     metadata: dict[str, Any] = getattr(node.get("loss_scale"), "get_metadata", dict)()
     config: Any = metadata.get(CONFIG_METADATA)  # None: get_loss_scale refuses it
-    names = HEADROOM_LEAVES if "grad_max_history" in node else _DYNAMIC_LEAVES
-    return DynamicLossScale._from_parts(config, tuple(node[name] for name in names))
+    leaves = HEADROOM_LEAVES if "grad_max_history" in node else _DYNAMIC_LEAVES
+    return DynamicLossScale._from_parts(config, tuple(node[name] for name in leaves))
 
 
 def replace_scale(state: Any, new: LossScale, path: str | None) -> Any:

@@ -54,17 +54,23 @@ def _peak(peaks: list[jax.Array]) -> jax.Array:
 
 
 def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None, axis_name: AxisName,
-                  with_max: bool = False) -> tuple[jax.Array, jax.Array, jax.Array,
-                                                   jax.Array | None]:
+                  measure: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array,
+                                                             jax.Array | None]:
     """Per gradient leaf, whether its unscaled values are all finite; their AND; the
     sum of squares of the (scaled) gradients, in float32, for the norm; and with
-    ``with_max`` (``growth="headroom"``) the largest |entry| of the scaled gradients
-    (float32, agreed over ``axis_name``), else None.
+    ``measure`` (``growth="headroom"``: whether the rule records this step's max, a
+    bool) the largest |entry| of the scaled gradients (float32, agreed over
+    ``axis_name``), else None.
 
-    The max is the largest *square*'s square root: a sibling reduction of the same
-    squares the screen sums (one read), taken in the same collective. A square that
-    overflows float32 (an entry above 1.8e19) reads inf, which the headroom rule treats
-    as no room to grow: right, since such a gradient leaves none in float16 either.
+    The max is the largest *square*'s square root. Off CPU it is a sibling reduction of
+    the squares the norm sums (one read), taken in the same collective, on every step.
+    XLA on CPU does not fuse a second reduction into the screen's vectorized sum (a
+    multi-output reduction ran 10-20x slower than the sum, benchmarks/headroom_cost.py):
+    there the max is a second read under a conditional, run only on the steps that
+    record it (and are finite), with its own collective; on the others it is 0, which
+    the rule ignores (:func:`loss_scaling.core.update.records_max`). A square that
+    overflows float32 (an entry above 1.8e19) reads inf, which the rule treats as no
+    room to grow: right, since such a gradient leaves none in float16 either.
 
     On XLA CPU a plain sum (of squares) is a vectorized read, while a reduction with the
     unscale or ``abs`` as its producer runs about three times slower (benchmarks/
@@ -87,7 +93,7 @@ def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None, axis_name: Ax
         squares = numerics.replica_square_sum([numerics.square_sum(x) for x in leaves],
                                               axis_name)
         flags, _ = numerics.unscaled_finite_leaves(grads, inverse, None)
-        if with_max:
+        if measure is not None:
             flags, squares, peak = numerics.agree(
                 flags, squares, axis_name, _peak([numerics.square_peak(x) for x in leaves]))
             return flags, flags.all(), squares, jnp.sqrt(peak)
@@ -96,21 +102,13 @@ def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None, axis_name: Ax
     small_reciprocal = jnp.asarray(True)
     if inverse is not None:
         small_reciprocal = (inverse.normal <= 1) | (inverse.post < 1)
-    peak = None
-    if with_max:
-        sums, peaks = map(list, zip(*(numerics.screen_with_peak(leaves, group)
-                                      for group in groups), strict=True))
-        peak = _peak(peaks)
-    else:
-        sums = [numerics.sum_screen(leaves, group) for group in groups]
+    sums = [numerics.sum_screen(leaves, group) for group in groups]
     cleared = [jnp.isfinite(x) & small_reciprocal for x in sums]
-    # The branch must be the same on every replica: one collective for it, the norm and
-    # the max.
-    all_cleared, squares, *agreed_peak = numerics.agree(
+    # The branch must be the same on every replica: one collective for it and the norm.
+    all_cleared, squares = numerics.agree(
         jnp.stack(cleared).all()[None], numerics.replica_square_sum(sums, axis_name),
-        axis_name, peak)
+        axis_name)
     all_cleared = all_cleared[0]
-    grads_max = jnp.sqrt(agreed_peak[0]) if with_max else None
 
     def group_exact(ok: jax.Array, group: numerics.LeafGroup) -> jax.Array:
         def recheck(_: Any) -> jax.Array:
@@ -138,6 +136,17 @@ def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None, axis_name: Ax
         return stacked, stacked.all()
 
     n = len(leaves)
-    return (*skip_cond(all_cleared,
-                        lambda _: (jnp.ones((n,), jnp.bool_), jnp.asarray(True)), exact, None),
-            squares, grads_max)
+    flags, finite = skip_cond(all_cleared,
+                              lambda _: (jnp.ones((n,), jnp.bool_), jnp.asarray(True)),
+                              exact, None)
+    grads_max = None
+    if measure is not None:
+        def read_max(_: Any) -> jax.Array:
+            peak = _peak([numerics.group_square_peak(leaves, group) for group in groups])
+            if axis_name is not None:  # the largest over the replicas, NaN-safe
+                peak = -lax.pmin(-jnp.where(jnp.isnan(peak), jnp.inf, peak), axis_name)
+            return jnp.sqrt(peak)
+
+        grads_max = skip_cond(measure & finite, read_max,
+                              lambda _: jnp.zeros((), jnp.float32), None)
+    return flags, finite, squares, grads_max

@@ -50,9 +50,6 @@ def _stepped_scaler(scaler: LossScale, finite: jax.Array,
     return scaler
 
 
-def _is_headroom(scaler: LossScale) -> bool:
-    return isinstance(scaler, DynamicLossScale) and scaler.growth == "headroom"
-
 
 def _underflow_stats(grads: Any, inverse: numerics.Reciprocal | None) -> UnderflowStats:
     """Per leaf: the fractions of exact zeros (in the scaled gradients, as the backward pass
@@ -128,8 +125,11 @@ def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
             "diagnostics from the params given to `init`): pass gradients with the structure "
             "of the params the state was initialised with.")
     inverse = _reciprocal(state.scaler)
+    scaler = state.scaler
+    measure = (scalers.records_max(scaler) if isinstance(scaler, DynamicLossScale)
+               and scaler.growth == "headroom" else None)
     leaf_finite, grads_finite, squares, grads_max = finite_leaves(
-        grads, inverse, options.axis_name, with_max=_is_headroom(state.scaler))
+        grads, inverse, options.axis_name, measure)
     grad_norm = jnp.sqrt(squares)
     if inverse is not None:  # unscaled: by the reciprocal's two exact factors
         grad_norm = (grad_norm * inverse.normal) * inverse.post
