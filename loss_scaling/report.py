@@ -50,7 +50,7 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       scaling); ``grad_norm`` (float32: the global norm of the last step's unscaled
       gradients, inf on a step skipped for them, see
       :class:`loss_scaling.LossScalingState`). With ``growth="headroom"``:
-      ``grad_max_window`` (the largest unscaled max |g| of the recent clean steps, the
+      ``grad_max_window`` (the largest unscaled max ``|g|`` of the recent clean steps, the
       window the rule reads), ``headroom_log2`` (``log2(finfo(headroom_dtype).max /
       (loss_scale * grad_max_window))``: how many doublings the scale leaves before that
       maximum would overflow, at least ``log2(headroom_margin)`` right after a headroom

@@ -329,22 +329,6 @@ def sum_screen(leaves: Sequence[Any], group: LeafGroup) -> jax.Array:
                jnp.zeros((), compute))
 
 
-def group_square_peak(leaves: Sequence[Any], group: LeafGroup) -> jax.Array:
-    """The largest ``|x|**2`` of the group's leaves as float32 (complex: ``re**2 +
-    im**2``); its square root is their max |entry|."""
-    x = _joined(leaves, group)
-    compute = compute_dtype(x.dtype)
-    parts = [jnp.real(x), jnp.imag(x)] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
-    return jnp.max(sum(jnp.square(p.astype(compute)) for p in parts)).astype(jnp.float32)
-
-
-def square_peak(x: Any) -> jax.Array:
-    """``max(|x|**2)`` of one floating leaf as float32 (0 for other and empty leaves)."""
-    if not is_floating(x) or not jnp.size(x):
-        return jnp.zeros((), jnp.float32)
-    return group_square_peak([x], LeafGroup((0,), joined=False))
-
-
 def square_sum(x: Any) -> jax.Array:
     """``sum(|x|**2)`` of one floating leaf in its compute dtype (0 for other leaves)."""
     if not is_floating(x) or not jnp.size(x):
@@ -404,23 +388,13 @@ def agree(flags: jax.Array, squares: jax.Array, axis_name: AxisName,
     ``check_vma=False``) the replicas' gradients are taken to be the same, and the largest
     sum (an inf on one replica reaches all) is the one every replica reports. A NaN sum
     reads +inf first: the min of an all-reduce need not propagate NaN, and the norm of
-    non-finite gradients is then inf on every path and device.
-
-    With ``peak`` (the largest squared entry, for ``growth="headroom"``) it rides in the
-    same ``pmin``: every replica gets the largest one (a tensor-parallel shard's included)
-    and takes the same growth decision. Returns ``(flags, squares)``, or with ``peak``
-    ``(flags, squares, peak)``.
+    non-finite gradients is then inf on every path and device. A ``peak`` (the largest
+    squared entry, headroom growth) rides in the same ``pmin``: ``(flags, squares, peak)``.
     """
-    squares = jnp.where(jnp.isnan(squares), jnp.inf, squares)
-    if peak is not None:
-        peak = jnp.where(jnp.isnan(peak), jnp.inf, peak)
+    maxima = [jnp.where(jnp.isnan(x), jnp.inf, x) for x in (squares, peak) if x is not None]
     if axis_name is None:
-        return (flags, squares) if peak is None else (flags, squares, peak)
-    if peak is None:
-        both = lax.pmin(jnp.concatenate([flags.astype(jnp.float32), -squares[None]]),
-                        axis_name)
-        return both[:-1] == 1, -both[-1]
+        return (flags, *maxima)
+    every = lax.pmin(jnp.concatenate([flags.astype(jnp.float32), *(-x[None] for x in maxima)]),
+                     axis_name)
     n = flags.shape[0]
-    every = lax.pmin(jnp.concatenate([flags.astype(jnp.float32), -squares[None],
-                                      -peak[None]]), axis_name)
-    return every[:n] == 1, -every[n], -every[n + 1]
+    return (every[:n] == 1, *(-every[n + i] for i in range(len(maxima))))
