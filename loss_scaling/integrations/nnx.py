@@ -35,6 +35,7 @@ from loss_scaling.checkpoint._values import place_like
 from loss_scaling.core import tree
 from loss_scaling.core.scalers import (
     _DYNAMIC_LEAVES,
+    HEADROOM_LEAVES,
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
@@ -309,8 +310,8 @@ def _scaler_from_mapping(node: Any) -> LossScale:
         return jax.tree.unflatten(jax.tree.structure(StaticLossScale(1.0)), [node["loss_scale"]])
     metadata: dict[str, Any] = getattr(node.get("loss_scale"), "get_metadata", dict)()
     config: Any = metadata.get(CONFIG_METADATA)  # None: get_loss_scale refuses it
-    return DynamicLossScale._from_parts(
-        config, tuple(node[name] for name in _DYNAMIC_LEAVES))
+    leaves = HEADROOM_LEAVES if "grad_max_history" in node else _DYNAMIC_LEAVES
+    return DynamicLossScale._from_parts(config, tuple(node[name] for name in leaves))
 
 
 def replace_scale(state: Any, new: LossScale, path: str | None) -> Any:

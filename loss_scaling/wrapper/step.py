@@ -40,15 +40,18 @@ from loss_scaling.wrapper.state import (
 )
 
 
-def _stepped_scaler(scaler: LossScale, finite: jax.Array) -> LossScale:
+def _stepped_scaler(scaler: LossScale, finite: jax.Array,
+                    grads_max: jax.Array | None = None) -> LossScale:
     """The scaler's next state, a failure recorded but never raised (eager included).
 
     The wrapper decides afterwards whether that step counts (``nonfinite_loss="skip"``
     discards it on a non-finite loss) and raises an eager failure itself (:func:`_report`).
+    ``grads_max``: the scaled gradients' max |entry|, for ``growth="headroom"``.
     """
     if isinstance(scaler, DynamicLossScale):
-        return scalers.step_recorded(scaler, finite)
+        return scalers.step_recorded(scaler, finite, grads_max=grads_max)
     return scaler
+
 
 
 def _underflow_stats(grads: Any, inverse: numerics.Reciprocal | None) -> UnderflowStats:
@@ -115,6 +118,9 @@ class StepDecision(NamedTuple):
     inverse: numerics.Reciprocal | None  # the scale's reciprocal, computed once per step
     grad_norm: jax.Array  # float32 global norm of the unscaled gradients
     replays: jax.Array  # int32: how often this step's batch was recomputed (wrapper/replay.py)
+    # max |entry| of the SCALED gradients (float32, agreed over replicas), read by the
+    # same pass as the finite screen; only for growth="headroom", else None
+    grads_max: jax.Array | None = None
 
 
 def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
@@ -127,7 +133,11 @@ def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
             "diagnostics from the params given to `init`): pass gradients with the structure "
             "of the params the state was initialised with.")
     inverse = _reciprocal(state.scaler)
-    leaf_finite, grads_finite, squares = finite_leaves(grads, inverse, options.axis_name)
+    scaler = state.scaler
+    measure = (scalers.records_max(scaler) if isinstance(scaler, DynamicLossScale)
+               and scaler.growth == "headroom" else None)
+    leaf_finite, grads_finite, squares, grads_max = finite_leaves(
+        grads, inverse, options.axis_name, measure)
     grad_norm = jnp.sqrt(squares)
     if inverse is not None:  # unscaled: by the reciprocal's two exact factors
         grad_norm = (grad_norm * inverse.normal) * inverse.post
@@ -150,7 +160,7 @@ def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
     healthy &= valid_scale
     return StepDecision(healthy & grads_finite & loss_finite, healthy, valid_scale,
                         grads_finite, loss_finite, leaf_finite, grads, inverse, grad_norm,
-                        jnp.zeros((), jnp.int32))
+                        jnp.zeros((), jnp.int32), grads_max)
 
 
 def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: Any,
@@ -159,11 +169,13 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
     if options.nonfinite_loss == "skip":
         # The forward pass, not the scale, made the loss non-finite: leave the scale be.
         # Eagerly too: a backoff discarded here must not raise (as under jit).
-        stepped_scaler = _stepped_scaler(state.scaler, decision.grads_finite)
+        stepped_scaler = _stepped_scaler(state.scaler, decision.grads_finite,
+                                         decision.grads_max)
         stepped_scaler = optax.tree.where(decision.loss_finite, stepped_scaler, state.scaler)
     else:
         stepped_scaler = _stepped_scaler(state.scaler,
-                                         decision.grads_finite & decision.loss_finite)
+                                         decision.grads_finite & decision.loss_finite,
+                                         decision.grads_max)
     consecutive_skips = _count(state.consecutive_skips, applied, reset=True)
 
     failure, fails, new_scaler = _next_failure(options, state, stepped_scaler,
@@ -222,9 +234,8 @@ def _next_failure(options: WrapperOptions, state: LossScalingState, stepped_scal
     fails = ~failed_before & (failure != Failure.NONE)
     new_scaler = optax.tree.where(failed_before, state.scaler, stepped_scaler)
     if isinstance(new_scaler, DynamicLossScale):
-        new_scaler = DynamicLossScale._from_parts(new_scaler.config, (
-            new_scaler.loss_scale, new_scaler.growth_tracker, new_scaler.nonfinite_tracker,
-            jnp.where(new_scaler.failure == Failure.NONE, failure, new_scaler.failure)))
+        new_scaler = new_scaler._replace(failure=jnp.where(
+            new_scaler.failure == Failure.NONE, failure, new_scaler.failure))
     return failure, fails, new_scaler
 
 

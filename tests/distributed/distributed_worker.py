@@ -734,11 +734,59 @@ def replay_scenarios() -> dict:
     _, grads = ls.value_and_grad(loss_of)(reference.init(params), params)
     out["reference"] = np.asarray(
         ls.apply_gradients(reference, grads, reference.init(params), params)[0]["w"])
+
+
+def headroom() -> dict:
+    """growth="headroom" with a different gradient max on every device (one step, a
+    window of 1): every device's copy of the scale, and the max the rule recorded."""
+    scaler = ls.DynamicLossScale(init_scale=1.0, growth="headroom", headroom_window=1)
+    tx = ls.with_loss_scaling(optax.sgd(1e-3), scaler, axis_name="data")
+    # Device i holds entries of at most (i + 1) / 64: the global max is 1/8 (device 7).
+    local = np.full((N_DEVICES, 4096 + 8), 1e-4, np.float32)
+    local[np.arange(N_DEVICES), np.arange(N_DEVICES) * 3] = (np.arange(N_DEVICES) + 1) / 64
+    params = {"w": jnp.zeros(4096 + 8), "b": jnp.zeros(3)}
+    small = np.full((N_DEVICES, 3), 1e-4, np.float32)
+    out: dict[str, Any] = {}
+
+    def scaler_of(opt_state: Any, stacked: bool) -> dict:
+        s = ls.get_loss_scale(opt_state)
+        return {"loss_scale": per_replica(s.loss_scale, stacked),
+                "history": [v for _, v in copies(s.grad_max_history, stacked)]}
+
+    def local_step(opt_state, w, b):
+        return ls.apply_gradients(tx, {"w": w.reshape(-1), "b": b.reshape(-1)}, opt_state,
+                                  params)[1]
+
+    stepped = jax.pmap(local_step, axis_name="data")(
+        jax.pmap(lambda _: tx.init(params))(np.zeros(N_DEVICES)), local, small)
+    out["pmap"] = scaler_of(stepped, True)
+    mesh = jax.make_mesh((N_DEVICES,), ("data",))
+    for check_vma in (True, False):
+        step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P("data"),
+                                                                      P("data")),
+                                     out_specs=P(), check_vma=check_vma))
+        opt_state = place_on(mesh, tx.init(params))
+        rows = NamedSharding(mesh, P("data"))
+        out[f"shard_map/{check_vma}"] = scaler_of(step(
+            opt_state, jax.device_put(local, rows), jax.device_put(small, rows)), False)
+    # Sharded jit: a global gradient array whose shards have different maxima.
+    plain = ls.with_loss_scaling(optax.sgd(1e-3), scaler)
+    sharding = NamedSharding(mesh, P("data"))
+    grads = {"w": jax.device_put(local.reshape(-1), sharding),
+             "b": jax.device_put(small[0], NamedSharding(mesh, P()))}
+    big = {"w": jnp.zeros(N_DEVICES * (4096 + 8)), "b": jnp.zeros(3)}
+    opt_state = jax.jit(lambda g, s, p: ls.apply_gradients(plain, g, s, p)[1])(
+        grads, place_on(mesh, plain.init(big)),
+        {"w": jax.device_put(big["w"], sharding), "b": place_on(mesh, big["b"])})
+    out["jit"] = scaler_of(opt_state, False)
     return out
 
 
 SCENARIOS: dict[str, Callable[[], dict]] = {
     "replay": replay_scenarios,
+
+
+    "headroom": headroom,
     "all_finite": all_finite_scenarios,
     "step_collectives": step_collectives,
     "multi_step": multi_step,

@@ -318,3 +318,16 @@ def test_replay_takes_the_same_decision_on_every_device(results, path):
     assert bits(replayed["params"]) == bits(value["reference"])
     assert skipped["metrics"]["skipped_steps"].tolist() == [1] * N_DEVICES
     assert skipped["metrics"]["replays"].tolist() == [0] * N_DEVICES
+
+
+# --------------------------------------------------------------- growth="headroom"
+
+
+@pytest.mark.parametrize("path", ["pmap", "shard_map/True", "shard_map/False", "jit"])
+def test_headroom_growth_takes_the_max_over_every_device(results, path):
+    """Device i's gradients peak at (i + 1) / 64: every device records the global max,
+    1/8, and grows to the same scale, 2**14 (2**14 * 16 / 8 <= 65504 < 2**15 * 16 / 8),
+    where its own max (1/64) would have let device 0 grow to 2**17."""
+    run = scenario(results, "headroom")[path]
+    assert run["loss_scale"].tolist() == [2.0**14] * N_DEVICES
+    assert [h.tolist() for h in run["history"]] == [[0.125]] * N_DEVICES
