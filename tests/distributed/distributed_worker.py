@@ -734,6 +734,7 @@ def replay_scenarios() -> dict:
     _, grads = ls.value_and_grad(loss_of)(reference.init(params), params)
     out["reference"] = np.asarray(
         ls.apply_gradients(reference, grads, reference.init(params), params)[0]["w"])
+    return out
 
 
 def headroom() -> dict:
