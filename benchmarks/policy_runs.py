@@ -212,9 +212,10 @@ def markov_batches(steps: int, *, seed: int, batch: int = 32, length: int = 32,
 
 def lm_task(config: Config) -> Task:
     """TinyLM on the Markov chain, a new batch every step, next-token cross-entropy."""
-    data = jnp.asarray(markov_batches(config.steps, seed=config.seed))
+    # 33 tokens: the model reads 32 and predicts the next one at each position.
+    data = jnp.asarray(markov_batches(config.steps, seed=config.seed, length=33))
     model = TinyLM()
-    params = model.init(jax.random.key(config.seed), data[0])["params"]
+    params = model.init(jax.random.key(config.seed), data[0, :, :-1])["params"]
 
     def loss(params: Any, step: jax.Array) -> jax.Array:
         tokens = data[step]
@@ -310,9 +311,9 @@ class Run:
     nan_steps: tuple[int, ...]
     seconds: float
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, common: np.ndarray | None = None) -> dict[str, Any]:
         """The table's row: see :func:`summarize`."""
-        return summarize(self)
+        return summarize(self, common)
 
 
 def train(task: Task, policy: Policy, config: Config) -> Run:
@@ -338,14 +339,20 @@ def train(task: Task, policy: Policy, config: Config) -> Run:
                tuple(s for s in config.nan_steps if s < config.steps), seconds)
 
 
-def summarize(run: Run) -> dict[str, Any]:
+def summarize(run: Run, common: np.ndarray | None = None) -> dict[str, Any]:
     """Batches dropped, overflowed first passes (injected and the rule's own), replays,
-    the final scale, the mean underflow fractions over the applied steps, the final loss.
+    the final scale, the mean underflow fractions, the final loss.
 
     A step *overflowed* when its first pass had non-finite gradients and a finite loss:
     skipped without replay, replayed (and applied, or dropped once the replays ran out)
-    with it. The final loss is the mean over the last 10 steps' finite losses.
+    with it. The underflow fractions are averaged over the steps in ``common`` (a bool
+    mask; default: the run's applied steps), which :func:`table_rows` sets to the steps
+    that every run of the model applied: a fraction is only measured on an applied step,
+    and part of it depends on the batch (parameters that a batch does not reach), so runs
+    are compared on the same batches. The final loss is the mean of the last 10 steps'
+    finite losses.
     """
+    common = run.applied if common is None else common & run.applied
     finite_loss = np.isfinite(run.losses)
     overflowed = finite_loss & (~run.applied | (run.replays > 0))
     injected = np.zeros_like(overflowed)
@@ -363,11 +370,19 @@ def summarize(run: Run) -> dict[str, Any]:
         "growth_overflows": int((overflowed & ~injected).sum()),
         "replays": int(run.replays.sum()),
         "final_scale": float(run.loss_scales[-1]),
-        "mean_zero_fraction": float(run.zero_fractions[run.applied].mean()),
-        "mean_small_fraction": float(run.small_fractions[run.applied].mean()),
+        "mean_zero_fraction": float(run.zero_fractions[common].mean()),
+        "mean_small_fraction": float(run.small_fractions[common].mean()),
         "final_loss": float(tail[np.isfinite(tail)].mean()),
         "seconds": round(run.seconds, 2),
     }
+
+
+def table_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """One row per run, the underflow averaged over the steps all runs of its model applied."""
+    common: dict[str, np.ndarray] = {}
+    for run in runs:
+        common[run.model] = common.get(run.model, run.applied) & run.applied
+    return [run.summary(common[run.model]) for run in runs]
 
 
 def run_all(models: Sequence[str] = ("demo", "lm"), policies: Sequence[Policy] = POLICIES,
@@ -444,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     headroom_margin=args.headroom_margin,
                     headroom_window=args.headroom_window)
     policies = [p for p in POLICIES if p.name in args.policies]
-    rows = [run.summary() for run in run_all(args.models, policies, config)]
+    rows = table_rows(run_all(args.models, policies, config))
     print(markdown_table(rows))
     if not args.no_json:
         out = pathlib.Path(args.json)

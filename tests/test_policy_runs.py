@@ -35,8 +35,8 @@ CONFIG = pr.Config(steps=150, spike_steps=(50, 120), nan_steps=(100,))
 
 @pytest.fixture(scope="module")
 def rows():
-    runs = pr.run_all(["demo"], pr.POLICIES, CONFIG)
-    return {run.policy: run.summary() for run in runs}
+    return {row["policy"]: row for row in pr.table_rows(pr.run_all(["demo"], pr.POLICIES,
+                                                                    CONFIG))}
 
 
 def test_replay_drops_only_the_batch_whose_loss_is_nan(rows):
