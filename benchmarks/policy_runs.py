@@ -18,14 +18,17 @@ Two models, both float16 compute with float32 params, Adam, a cosine-decayed lea
   64, 32 tokens) on a synthetic Markov chain (each token has 4 likely successors), a fresh
   batch of 32 sequences every step, generated from the seed (no downloads).
 
-Injected faults, the same on every policy: on the ``--spike-steps`` the gradient of the
-loss is multiplied by ``--spike`` in the backward pass only (a custom VJP: the loss itself
-is the batch's ordinary, finite loss), a batch whose gradients are that many times larger
-than the batches around it: it overflows float16 wherever ``scale * spike * max|g|`` passes
-65504, and a replay at a scale ``spike`` times lower fits it. On the ``--nan-steps`` the
-loss itself is NaN (a corrupt batch): nothing can recover that one. Besides these, the
-rules' own growth overflows: ``--growth-interval`` is short, so the interval rule grows into
-an overflow every few dozen steps.
+Injected faults, the same on every policy. On the ``--spike-steps`` an overflow spike: the
+backward pass goes through a float16 intermediate ``--spike`` times the largest parameter
+gradient (a custom VJP on the params: a gradient entry ``g`` becomes inf where
+``|g| * spike`` passes float16's 65504, and is kept exactly otherwise). The loss is the
+batch's ordinary, finite loss and its true gradient is unchanged: the step overflows iff the
+scale leaves fewer than ``log2(spike)`` powers of two of room above the largest scaled
+gradient, as a real float16 overflow deep in a backward pass does, and a replay at a scale
+``spike`` times lower recovers the batch exactly. On the ``--nan-steps`` the loss itself is
+NaN (a corrupt batch): nothing can recover that one. Besides these, the rules' own growth
+overflows: ``--growth-interval`` is short, so the interval rule grows into an overflow every
+few dozen steps.
 
 Per step it records the loss scale after the step, whether the batch was applied, the
 replays, the underflow fractions (``underflow_diagnostics=True``: ``zero_grad_fraction``,
@@ -42,9 +45,11 @@ Prints a Markdown table and writes ``benchmarks/results/policy_runs.json``.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import json
+import os
 import pathlib
 import sys
 import time
@@ -100,7 +105,7 @@ class Config:
     headroom_window: int | None = None     # None: the library's default
 
     def faults(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per step: the backward spike factor (1 or ``spike``) and the NaN-loss flag."""
+        """Per step: the overflow spike factor (1 or ``spike``) and the NaN-loss flag."""
         spikes = np.ones(self.steps, np.float32)
         spikes[[s for s in self.spike_steps if s < self.steps]] = self.spike
         nans = np.zeros(self.steps, bool)
@@ -231,30 +236,36 @@ TASKS: dict[str, Callable[[Config], Task]] = {"demo": demo_task, "lm": lm_task}
 # ------------------------------------------------------------------------------ faults
 
 
+F16_MAX = float(jnp.finfo(F16).max)
+
+
 @jax.custom_vjp
-def spike_gradient(loss: jax.Array, factor: jax.Array) -> jax.Array:
-    """The loss unchanged; its gradient multiplied by ``factor`` in the backward pass."""
-    return loss
+def spike_gradient(x: jax.Array, factor: jax.Array) -> jax.Array:
+    """``x`` unchanged; in the backward pass its gradient goes through a float16
+    intermediate ``factor`` times as large: entries with ``|g| * factor > 65504`` become
+    inf, the others are kept exactly (the intermediate divided back by ``factor``)."""
+    return x
 
 
-def _spike_fwd(loss: jax.Array, factor: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return loss, factor
+def _spike_fwd(x: jax.Array, factor: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return x, factor
 
 
 def _spike_bwd(factor: jax.Array, cotangent: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return cotangent * factor, jnp.zeros_like(factor)
+    fits = jnp.abs(cotangent) * factor.astype(cotangent.dtype) <= F16_MAX
+    return jnp.where(fits, cotangent, jnp.inf), jnp.zeros_like(factor)
 
 
 spike_gradient.defvjp(_spike_fwd, _spike_bwd)
 
 
-def with_faults(task: Task, config: Config) -> Callable[[Any, jax.Array], jax.Array]:
-    """``task.loss`` with the injected gradient spikes and NaN losses of ``config``."""
-    spikes, nans = (jnp.asarray(a) for a in config.faults())
+def with_faults(task: Task) -> Callable[..., jax.Array]:
+    """``task.loss`` with a fault: ``loss(params, step, spike, nan)`` for the step's
+    overflow spike factor (1: none) and NaN-loss flag."""
 
-    def loss(params: Any, step: jax.Array) -> jax.Array:
-        value = spike_gradient(task.loss(params, step), spikes[step])
-        return jnp.where(nans[step], jnp.float32(jnp.nan), value)
+    def loss(params: Any, step: jax.Array, spike: jax.Array, nan: jax.Array) -> jax.Array:
+        params = jax.tree.map(lambda p: spike_gradient(p, spike), params)
+        return jnp.where(nan, jnp.float32(jnp.nan), task.loss(params, step))
 
     return loss
 
@@ -273,26 +284,61 @@ class StepRecord(NamedTuple):
     small_fraction: jax.Array  # nonzero, but below float16's smallest normal unscaled
 
 
-def make_train_step(loss_fn: Callable[[Any, jax.Array], jax.Array],
-                    tx: ls.LossScalingTransformation, replay: bool) -> Callable[..., Any]:
-    """The jitted step ``(params, opt_state, step) -> (params, opt_state, StepRecord)``."""
+def make_train_step(loss_fn: Callable[..., jax.Array], tx: ls.LossScalingTransformation,
+                    replay: bool) -> Callable[..., Any]:
+    """The jitted step ``(params, opt_state, step, spikes, nans) -> (params, opt_state,
+    StepRecord)``; ``spikes`` and ``nans`` are the whole run's fault schedule."""
 
     @jax.jit
-    def train_step(params: Any, opt_state: Any, step: jax.Array) -> Any:
-        def batch_loss(p: Any) -> jax.Array:
-            return loss_fn(p, step)
+    def train_step(params: Any, opt_state: Any, step: jax.Array, spikes: jax.Array,
+                   nans: jax.Array) -> Any:
+        def batch_loss(p: Any) -> jax.Array:   # this step's batch, with its fault
+            return loss_fn(p, step, spikes[step], nans[step])
 
         loss, grads = ls.value_and_grad(batch_loss)(opt_state, params)   # SCALED grads
         replay_args = {"value_fn": batch_loss} if replay else {}
         params, opt_state = ls.apply_gradients(tx, grads, opt_state, params, loss=loss,
                                                **replay_args)
         m = ls.metrics(opt_state)
-        replays = m.get("last_step_replays", jnp.zeros((), jnp.int32))
         return params, opt_state, StepRecord(
-            loss, m["loss_scale"], m["last_step_finite"], replays,
+            loss, m["loss_scale"], m["last_step_finite"], m["last_step_replays"],
             m["zero_grad_fraction"], m["small_grad_fraction"])
 
     return train_step
+
+
+_STEPS: dict[tuple[Any, ...], Any] = {}
+
+
+def _step_key(task: Task, policy: Policy, config: Config) -> tuple[Any, ...]:
+    return (task.name, config.seed, config.steps, policy, config.growth_interval,
+            config.max_replays, config.headroom_margin, config.headroom_window)
+
+
+def _initial(task: Task, policy: Policy, config: Config) -> tuple[Any, ...]:
+    """A run's first arguments: fresh params, the optimizer state, step 0, the faults."""
+    params = jax.tree.map(jnp.array, task.params)   # a fresh copy per run
+    opt_state = make_optimizer(policy, config, task.learning_rate).init(params)
+    spikes, nans = (jnp.asarray(a) for a in config.faults())
+    return params, opt_state, jnp.int32(0), spikes, nans
+
+
+def compile_steps(task: Task, policies: Sequence[Policy], config: Config) -> None:
+    """Compiles the policies' steps, each once per process for everything it depends on
+    (runs that differ only in ``init_scale`` or in the fault schedule share one: the
+    update reads the scale from the state, the schedule is an argument). XLA compiles
+    them in parallel threads; tracing stays in this one."""
+    todo = {}
+    for policy in policies:
+        key = _step_key(task, policy, config)
+        if key not in _STEPS and key not in todo:
+            tx = make_optimizer(policy, config, task.learning_rate)
+            step = make_train_step(with_faults(task), tx, policy.replay)
+            todo[key] = step.lower(*_initial(task, policy, config))
+    workers = max(1, min(len(todo), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        compiled = pool.map(lambda lowered: lowered.compile(), todo.values())
+        _STEPS.update(zip(todo, compiled, strict=True))
 
 
 @dataclasses.dataclass
@@ -318,14 +364,14 @@ class Run:
 
 def train(task: Task, policy: Policy, config: Config) -> Run:
     """Trains ``task`` for ``config.steps`` steps under ``policy``; one read at the end."""
-    tx = make_optimizer(policy, config, task.learning_rate)
-    train_step = make_train_step(with_faults(task, config), tx, policy.replay)
-    params = jax.tree.map(jnp.array, task.params)   # a fresh copy per run
-    opt_state = tx.init(params)
+    compile_steps(task, [policy], config)
+    train_step = _STEPS[_step_key(task, policy, config)]
+    params, opt_state, _, spikes, nans = _initial(task, policy, config)
     start = time.perf_counter()
     records = []
     for step in range(config.steps):
-        params, opt_state, record = train_step(params, opt_state, jnp.int32(step))
+        params, opt_state, record = train_step(params, opt_state, jnp.int32(step), spikes,
+                                               nans)
         records.append(record)
     history = jax.device_get(records)
     seconds = time.perf_counter() - start
@@ -387,10 +433,12 @@ def table_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
 
 def run_all(models: Sequence[str] = ("demo", "lm"), policies: Sequence[Policy] = POLICIES,
             config: Config = Config()) -> list[Run]:
-    """Every policy on every model, one after the other in this process."""
+    """Every policy on every model, one after the other in this process (their steps
+    compiled first, in parallel)."""
     runs = []
     for name in models:
         task = TASKS[name](config)
+        compile_steps(task, policies, config)
         runs.extend(train(task, policy, config) for policy in policies)
     return runs
 
@@ -437,10 +485,11 @@ def _parser() -> argparse.ArgumentParser:
                         default=[p.name for p in POLICIES])
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--init-scale", type=float, default=defaults.init_scale)
     parser.add_argument("--growth-interval", type=int, default=defaults.growth_interval)
     parser.add_argument("--max-replays", type=int, default=defaults.max_replays)
     parser.add_argument("--spike", type=float, default=defaults.spike,
-                        help="the factor of the injected gradient spikes")
+                        help="the factor of the injected overflow spikes (see above)")
     parser.add_argument("--spike-steps", type=int, nargs="*", default=defaults.spike_steps)
     parser.add_argument("--nan-steps", type=int, nargs="*", default=defaults.nan_steps)
     parser.add_argument("--headroom-margin", type=float, default=None)
@@ -453,7 +502,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the table; ``argv`` as for the command line."""
     args = _parser().parse_args(argv)
-    config = Config(steps=args.steps, seed=args.seed, growth_interval=args.growth_interval,
+    config = Config(steps=args.steps, seed=args.seed, init_scale=args.init_scale,
+                    growth_interval=args.growth_interval,
                     max_replays=args.max_replays, spike=args.spike,
                     spike_steps=tuple(args.spike_steps), nan_steps=tuple(args.nan_steps),
                     headroom_margin=args.headroom_margin,
