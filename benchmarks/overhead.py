@@ -161,6 +161,25 @@ def _time(fn: Any, carry: Any, grads: Any, steps: int, sync_each: bool) -> tuple
     return (time.perf_counter() - start) / steps, carry
 
 
+MODES = {"sync": True, "pipelined": False}
+"""The two timings: one step per ``block_until_ready``, and pipelined."""
+
+
+def interleaved(compiled: dict[str, Any], carries: dict[str, Any],
+                variants: dict[str, tuple[Any, Any, Any]], rounds: int,
+                steps: int) -> dict[str, dict[str, list[float]]]:
+    """Per mode and variant, the seconds per step of each round: every variant runs
+    ``steps`` steps in turn, round after round, so machine noise hits them all alike."""
+    times: dict[str, dict[str, list[float]]] = {m: {n: [] for n in variants} for m in MODES}
+    for _ in range(rounds):
+        for mode, sync_each in MODES.items():
+            for name, (_, _, grads) in variants.items():
+                elapsed, carries[name] = _time(compiled[name], carries[name], grads, steps,
+                                               sync_each)
+                times[mode][name].append(elapsed)
+    return times
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=20e6, help="total parameter count")
@@ -221,14 +240,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         compiled[name] = fn
         carries[name] = jax.block_until_ready(fn(params, opt_state, grads))  # warm up
 
-    modes = {"sync": True, "pipelined": False}
-    times: dict[str, dict[str, list[float]]] = {m: {n: [] for n in variants} for m in modes}
-    for _ in range(args.rounds):
-        for mode, sync_each in modes.items():
-            for name, (_, _, grads) in variants.items():
-                elapsed, carries[name] = _time(compiled[name], carries[name], grads,
-                                               args.steps, sync_each)
-                times[mode][name].append(elapsed)
+    modes = MODES
+    times = interleaved(compiled, carries, variants, args.rounds, args.steps)
 
     def baseline(name: str) -> str:
         return "bare optax.adam" if is_donated(name) else NOT_DONATED_BASE

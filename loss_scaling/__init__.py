@@ -17,7 +17,7 @@ from loss_scaling.core.scalers import (
     StaticLossScale,
     loss_scale_for,
 )
-from loss_scaling.core.tree import all_finite, scale, unscale
+from loss_scaling.core.tree import all_finite, grads_max, scale, unscale
 from loss_scaling.core.update import update
 from loss_scaling.grad import value_and_grad
 from loss_scaling.integrations.linen import TrainState
@@ -58,6 +58,7 @@ __all__ = [
     "from_bytes",
     "from_state_dict",
     "get_loss_scale",
+    "grads_max",
     "loss_scale_for",
     "metrics",
     "nonfinite_grad_paths",

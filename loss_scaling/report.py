@@ -15,7 +15,6 @@ import optax
 from loss_scaling import _errors
 from loss_scaling.core import update as scalers
 from loss_scaling.core.scalers import (
-    _DYNAMIC_LEAVES,
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
@@ -50,7 +49,16 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       overflow, which points at a loss that was not scaled, or a model that needs no
       scaling); ``grad_norm`` (float32: the global norm of the last step's unscaled
       gradients, inf on a step skipped for them, see
-      :class:`loss_scaling.LossScalingState`). With ``underflow_diagnostics=True``:
+      :class:`loss_scaling.LossScalingState`); ``replays`` (batches recomputed at a
+      backed-off scale in total, with ``max_replays``; docs/replay.md) and
+      ``last_step_replays`` (those of the last step).
+      With ``growth="headroom"``:
+      ``grad_max_window`` (the largest unscaled max ``|g|`` of the recent clean steps, the
+      window the rule reads), ``headroom_log2`` (``log2(finfo(headroom_dtype).max /
+      (loss_scale * grad_max_window))``: how many doublings the scale leaves before that
+      maximum would overflow, at least ``log2(headroom_margin)`` right after a headroom
+      growth; inf while the window is empty) and ``scale_ceiling`` (the scaler's
+      ``ceiling``). With ``underflow_diagnostics=True``:
       ``zero_grad_fraction`` and ``small_grad_fraction`` (overall, weighted by leaf size)
       and their ``..._per_leaf`` vectors (see :class:`loss_scaling.UnderflowStats`).
 
@@ -62,7 +70,7 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       {'loss_scale': 32768.0, 'growth_tracker': 0, 'skipped_steps': 0,
        'consecutive_skips': 0, 'last_step_finite': True, 'nonfinite_loss_steps': 0,
        'nonfinite_grad_leaves': 0, 'failed': False, 'failure': 0, 'clean_growths': 0,
-       'scale_suspicious': False, 'grad_norm': 0.0}
+       'scale_suspicious': False, 'grad_norm': 0.0, 'replays': 0, 'last_step_replays': 0}
     """
     refuse_wrapper_inside_multisteps(opt_state)
     state = _get_wrapper_state(opt_state, path)
@@ -81,7 +89,25 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
         "clean_growths": state.clean_growths,
         "scale_suspicious": state.clean_growths >= SUSPICIOUS_GROWTHS,
         "grad_norm": state.grad_norm,
+        "replays": state.replays,
+        "last_step_replays": state.last_step_replays,
+        **_headroom_metrics(scaler),
         **_underflow_metrics(state.underflow),
+    }
+
+
+def _headroom_metrics(scaler: Any) -> dict[str, jax.Array]:
+    """``growth="headroom"`` only: the recent maximum, the room it leaves, the ceiling."""
+    if getattr(scaler, "grad_max_history", None) is None:
+        return {}
+    config = scaler.config
+    dtype = "float16" if config is None else config.headroom_dtype
+    peak = jnp.max(scaler.grad_max_history, axis=-1)
+    limit = jnp.float32(jnp.finfo(jnp.dtype(dtype)).max)
+    return {
+        "grad_max_window": peak,
+        "headroom_log2": jnp.log2(limit) - jnp.log2(scaler.loss_scale) - jnp.log2(peak),
+        "scale_ceiling": scaler.ceiling,
     }
 
 
@@ -254,9 +280,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
             failed = _first_failing(state, failure)
             if isinstance(failed, DynamicLossScale):
                 code = failure.reshape(-1)[int(np.argmax(failure.reshape(-1) != 0))]
-                failed = DynamicLossScale._from_parts(failed.config, (
-                    *(getattr(failed, n) for n in _DYNAMIC_LEAVES[:-1]),
-                    np.asarray(code, np.int32)))
+                failed = failed._replace(failure=np.asarray(code, np.int32))
             raise _errors.LossScaleError(scalers.failure_message(failed))
         return
     refuse_wrapper_inside_multisteps(state)

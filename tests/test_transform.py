@@ -589,7 +589,8 @@ def test_metrics_are_arrays_with_documented_keys(maybe_jit, scaler, tracker):
     m = maybe_jit(ls.metrics)(opt_state)
     assert set(m) == {"loss_scale", "growth_tracker", "skipped_steps", "consecutive_skips",
                       "last_step_finite", "nonfinite_loss_steps", "nonfinite_grad_leaves",
-                      "failed", "failure", "clean_growths", "scale_suspicious", "grad_norm"}
+                      "failed", "failure", "clean_growths", "scale_suspicious", "grad_norm",
+                      "replays", "last_step_replays"}
     for value in m.values():
         assert isinstance(value, jax.Array) and value.shape == ()
     assert {k: v.dtype for k, v in m.items()} == {
@@ -597,7 +598,8 @@ def test_metrics_are_arrays_with_documented_keys(maybe_jit, scaler, tracker):
         "consecutive_skips": jnp.int32, "last_step_finite": jnp.bool_,
         "nonfinite_loss_steps": jnp.int32, "nonfinite_grad_leaves": jnp.int32,
         "failed": jnp.bool_, "failure": jnp.int32, "clean_growths": jnp.int32,
-        "scale_suspicious": jnp.bool_, "grad_norm": jnp.float32}
+        "scale_suspicious": jnp.bool_, "grad_norm": jnp.float32, "replays": jnp.int32,
+        "last_step_replays": jnp.int32}
     assert not bool(m["failed"]) and int(m["failure"]) == 0
     # The one leaf was non-finite on the last skipped step; the flags outlive clean steps.
     assert int(m["nonfinite_grad_leaves"]) == 1 and int(m["nonfinite_loss_steps"]) == 0

@@ -14,6 +14,7 @@ import numpy as np
 from loss_scaling._errors import show
 from loss_scaling.core.scalers import DynamicLossScale, NoOpLossScale, StaticLossScale
 from loss_scaling.core.validation import (
+    _BASE_FIELDS,
     DynamicConfig,
     positive_normal_float32,
 )
@@ -27,6 +28,10 @@ _CONFIG_KEYS = {
     "static": (),
     "dynamic": tuple(f.name for f in dataclasses.fields(DynamicConfig)),
 }
+# The interval rule's dict has only these config keys (as before headroom growth);
+# growth="headroom" has all of _CONFIG_KEYS["dynamic"] and these values too.
+INTERVAL_CONFIG_KEYS = _BASE_FIELDS
+HEADROOM_VALUE_KEYS = ("grad_max_history", "headroom_tracker", "ceiling")
 _VALUE_KEYS = {
     "noop": (),
     "static": ("loss_scale",),

@@ -21,6 +21,7 @@ from loss_scaling.checkpoint.state_dict import (
 from loss_scaling.core.scalers import DynamicLossScale, LossScale, StaticLossScale
 from loss_scaling.core.validation import (
     DynamicConfig,
+    scale_range,
 )
 
 
@@ -109,7 +110,10 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
     ``growth_interval``) while keeping the scale and counters the run had reached. The
     result has ``target``'s configuration and ``saved``'s ``loss_scale``; the counters are
     clamped into the new configuration's range (``growth_tracker`` to at most
-    ``growth_interval - 1``, ``nonfinite_tracker`` to at most ``hysteresis``). The scale
+    ``growth_interval - 1``, ``nonfinite_tracker`` to at most ``hysteresis``). Into a
+    ``growth="headroom"`` target, the saved gradient-max history is kept if its window
+    has the target's length (else the window starts over, empty) and the ceiling is
+    clamped into the target's range; into an interval target, they are dropped. The scale
     is not clamped: one outside the target's ``[min_scale, max_scale]`` is an error.
     ``target``'s own values are not used, with one exception: a ``StaticLossScale``'s
     factor *is* its configuration, so the result has the target's factor (the saved one
@@ -176,7 +180,26 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
         "growth_tracker": min(values["growth_tracker"], config.growth_interval - 1),
         "nonfinite_tracker": min(values["nonfinite_tracker"], config.hysteresis),
         "failure": values["failure"],   # sticky: a new configuration does not heal a run
+        **_adopted_headroom(values, config),
     }), target)
+
+
+def _adopted_headroom(values: Mapping[str, Any], config: DynamicConfig) -> dict[str, Any]:
+    """The headroom values under a target config: the saved history while its window
+    length is the target's (else the window starts over, empty), the saved ceiling
+    clamped into the target's range (the range's top when none was saved)."""
+    if config.growth != "headroom":
+        return {}
+    assert config.headroom_window is not None
+    window = config.headroom_window
+    low, high = scale_range(config)
+    history = values.get("grad_max_history")
+    kept = history is not None and len(history) == window
+    return {
+        "grad_max_history": history if kept else [0.0] * window,
+        "headroom_tracker": values["headroom_tracker"] if kept else 0,
+        "ceiling": min(max(values.get("ceiling", high), low), high),
+    }
 
 
 def _in_layout(scaler: LossScale, target: LossScale) -> LossScale:

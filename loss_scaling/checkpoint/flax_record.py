@@ -24,8 +24,15 @@ import numpy as np
 
 from loss_scaling._errors import RestoreError, show
 from loss_scaling.checkpoint.state_dict import _concrete, _host_array
-from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
-from loss_scaling.core.validation import counter_ranges, scale_range
+from loss_scaling.core.scalers import (
+    FLOAT_LEAVES,
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    leaf_names,
+)
+from loss_scaling.core.validation import counter_ranges, history_problem, scale_range
 from loss_scaling.wrapper.state import LossScalingState
 
 PRE_LOSS_SCALING = (
@@ -40,47 +47,67 @@ PRE_LOSS_SCALING = (
 
 # ------------------------------------------------------------------ flax.serialization
 
-_FLAX_LEAVES = {
-    NoOpLossScale: (),
-    StaticLossScale: ("loss_scale",),
-    DynamicLossScale: ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure"),
-}
+_SCALER_CLASSES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 
 # The checked record that flax.serialization stores for a static or dynamic scaler:
-#   magic b"LSR1" | kind u8 (1 static, 2 dynamic) | ndim u8 | dims u32[ndim] |
-#   each leaf of _FLAX_LEAVES, little-endian float32 / int32, C order | crc32 u32
-# of everything before it. One msgpack `bin`: msgpack never decodes inside it, so a
+#   magic b"LSR1" | kind u8 (1 static, 2 dynamic, 3 dynamic with growth="headroom") |
+#   ndim u8 | dims u32[ndim] | (kind 3: window u32) |
+#   each leaf (leaf_names order), little-endian float32 / int32, C order | crc32 u32
+# of everything before it. The dims are the scalar leaves' shape (replica axes, or none);
+# grad_max_history has the dims and then the window.
+# One msgpack `bin`: msgpack never decodes inside it, so a
 # corrupted byte of the record reaches `_flax_from_state_dict` (a ValueError naming the
 # field), and the CRC-32 refuses every 1- to 32-bit burst and all but 2**-32 of the rest:
 # a flipped bit of the scale's float32 can give another in-range scale, which no range
 # check can see.
 _RECORD_MAGIC = b"LSR1"
-_RECORD_KIND = {StaticLossScale: 1, DynamicLossScale: 2}
-_RECORD_DTYPE = {"loss_scale": np.dtype("<f4")}
+_RECORD_NAMES = {1: "StaticLossScale", 2: "DynamicLossScale",
+                 3: "DynamicLossScale with growth='headroom'"}
+_F32_DTYPE = np.dtype("<f4")
 _INT_DTYPE = np.dtype("<i4")
+
+
+def _record_dtype(name: str) -> np.dtype:
+    return _F32_DTYPE if name in FLOAT_LEAVES else _INT_DTYPE
+
+
+def _window(scaler: LossScale) -> int | None:
+    """The history length of a headroom scaler (None for every other)."""
+    if isinstance(scaler, DynamicLossScale) and scaler.growth == "headroom":
+        return scaler.config.headroom_window
+    return None
+
+
+def _record_kind(scaler: LossScale) -> int:
+    if isinstance(scaler, StaticLossScale):
+        return 1
+    return 2 if _window(scaler) is None else 3
 
 
 def _record(scaler: LossScale) -> bytes | None:
     """The checked record of a concrete scaler; None for placeholders and tracers."""
-    names = _FLAX_LEAVES[type(scaler)]
+    names = leaf_names(scaler)
     leaves = [getattr(scaler, name) for name in names]
     if not all(map(_concrete, leaves)):
         return None
     arrays = [_host_array(leaf) for leaf in leaves]
-    shape = arrays[0].shape
-    if any(a.shape != shape for a in arrays) or len(shape) > 255:
+    shape, window = arrays[0].shape, _window(scaler)
+    if len(shape) > 255 or any(
+            a.shape != (shape if n != "grad_max_history" else (*shape, window))
+            for n, a in zip(names, arrays, strict=True)):
         return None
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        body = b"".join(np.ascontiguousarray(a.astype(_RECORD_DTYPE.get(n, _INT_DTYPE))).tobytes()
+        body = b"".join(np.ascontiguousarray(a.astype(_record_dtype(n))).tobytes()
                         for n, a in zip(names, arrays, strict=True))
-    payload = (_RECORD_MAGIC + struct.pack("<BB", _RECORD_KIND[type(scaler)], len(shape))
-               + struct.pack(f"<{len(shape)}I", *shape) + body)
+    payload = (_RECORD_MAGIC + struct.pack("<BB", _record_kind(scaler), len(shape))
+               + struct.pack(f"<{len(shape)}I", *shape)
+               + (b"" if window is None else struct.pack("<I", window)) + body)
     return payload + struct.pack("<I", zlib.crc32(payload))
 
 
 def _read_record(target: LossScale, record: bytes) -> dict[str, np.ndarray]:
     """The named arrays of a checked record; a ValueError for anything corrupted."""
-    names = _FLAX_LEAVES[type(target)]
+    names = leaf_names(target)
     if len(record) < len(_RECORD_MAGIC) + 6 or zlib.crc32(record[:-4]) != struct.unpack(
             "<I", record[-4:])[0]:
         raise _flax_error(
@@ -90,20 +117,33 @@ def _read_record(target: LossScale, record: bytes) -> dict[str, np.ndarray]:
         raise _flax_error(f"the record starts with {record[:4]!r}, not {_RECORD_MAGIC!r}: it "
                           "was written by a newer or another program.")
     kind, ndim = struct.unpack("<BB", record[4:6])
-    if kind != _RECORD_KIND[type(target)]:
-        saved = {v: k.__name__ for k, v in _RECORD_KIND.items()}.get(kind, f"kind {kind}")
-        raise _flax_error(f"the bytes hold a {saved}, the target is a {type(target).__name__}.")
-    shape = struct.unpack(f"<{ndim}I", record[6:6 + 4 * ndim])
+    if kind != _record_kind(target):
+        raise _flax_error(
+            f"the bytes hold a {_RECORD_NAMES.get(kind, f'record of kind {kind}')}, the "
+            f"target is a {_RECORD_NAMES[_record_kind(target)]}: build the target with the "
+            "saved configuration (its growth rule included).")
+    offset = 6 + 4 * ndim
+    shape = struct.unpack(f"<{ndim}I", record[6:offset])
+    window = _window(target)
+    if window is not None:
+        saved_window = struct.unpack("<I", record[offset:offset + 4])[0]
+        offset += 4
+        if saved_window != window:
+            raise _flax_error(
+                f"the bytes hold a headroom_window of {saved_window}, the target's is "
+                f"{window}: build the target with the saved configuration.")
     count = int(np.prod(shape, dtype=np.int64))
-    if len(record) != 6 + 4 * ndim + 4 * count * len(names) + 4:
+    sizes = {n: count * (window or 1 if n == "grad_max_history" else 1) for n in names}
+    if len(record) != offset + 4 * sum(sizes.values()) + 4:
         raise _flax_error(f"the record's length ({len(record)} bytes) does not match its "
                           f"shape {shape}.")
-    arrays, offset = {}, 6 + 4 * ndim
+    arrays = {}
     for name in names:
-        dtype = _RECORD_DTYPE.get(name, _INT_DTYPE)
-        arrays[name] = np.frombuffer(record, dtype, count, offset).reshape(shape).astype(
+        dtype = _record_dtype(name)
+        arrays[name] = np.frombuffer(record, dtype, sizes[name], offset).reshape(
+            (*shape, window) if name == "grad_max_history" else shape).astype(
             dtype.newbyteorder("="))
-        offset += 4 * count
+        offset += 4 * sizes[name]
     return arrays
 
 
@@ -114,7 +154,7 @@ def _flax_to_state_dict(scaler: LossScale) -> Any:
     if record is not None:
         return record
     # Placeholders (None, ShapeDtypeStruct) and tracers: the leaves by name, unchecked.
-    return {name: getattr(scaler, name) for name in _FLAX_LEAVES[type(scaler)]}
+    return {name: getattr(scaler, name) for name in leaf_names(scaler)}
 
 
 _FLAX_ERROR = "cannot restore the loss-scale state at "
@@ -125,10 +165,12 @@ def _flax_error(message: str) -> RestoreError:
     return RestoreError(f"{_FLAX_ERROR}{path!r}: {message}")
 
 
-def _expected_shape(target_leaf: Any) -> tuple[int, ...]:
+def _expected_shape(target: LossScale, target_leaf: Any, name: str) -> tuple[int, ...]:
     """The shape a restored leaf must have: the target's (its replica or device axes
-    included); a None placeholder stands for an unreplicated scalar."""
-    return () if target_leaf is None else tuple(np.shape(target_leaf))
+    included); a None placeholder stands for an unreplicated leaf."""
+    if target_leaf is not None:
+        return tuple(np.shape(target_leaf))
+    return () if name != "grad_max_history" else (_window(target) or 0,)
 
 
 def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
@@ -148,12 +190,12 @@ def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
         array = np.asarray(value)
     except Exception:  # ragged lists and other junk: still a ValueError
         raise _flax_error(f"{name} must be an array, got {show(value)}.") from None
-    integer = name != "loss_scale"
+    integer = name not in FLOAT_LEAVES
     if array.dtype.kind not in ("iu" if integer else "f"):
         raise _flax_error(
             f"{name} must be {'an integer' if integer else 'a floating'} array, got "
             f"{show(value)} of dtype {array.dtype}.")
-    expected = _expected_shape(target_leaf)
+    expected = _expected_shape(target, target_leaf, name)
     if array.shape != expected:
         raise _flax_error(
             f"{name} has shape {array.shape}, the target's has shape {expected}: restore into "
@@ -162,8 +204,12 @@ def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
     dtype = np.int32 if integer else np.float32
     if integer:
         _check_counter(target, name, array, value)
+    elif name == "grad_max_history":
+        problem = history_problem(array)
+        if problem is not None:
+            raise _flax_error(f"grad_max_history: {problem}, got {show(value)}.")
     else:
-        _check_scale(target, target_leaf, array, value)
+        _check_scale(target, target_leaf, array, value, name)
     if isinstance(value, jax.Array) and value.dtype == dtype:
         return value
     return jnp.asarray(array.astype(dtype))
@@ -180,13 +226,14 @@ def _check_counter(target: LossScale, name: str, array: np.ndarray, value: Any) 
             "`loss_scaling.restore_with_config`.")
 
 
-def _check_scale(target: LossScale, target_leaf: Any, array: np.ndarray, value: Any) -> None:
+def _check_scale(target: LossScale, target_leaf: Any, array: np.ndarray, value: Any,
+                 name: str = "loss_scale") -> None:
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         as_f32 = array.astype(np.float32)
     low, high = scale_range(target.config if isinstance(target, DynamicLossScale) else None)
     if not np.all(np.isfinite(as_f32) & (as_f32 >= low) & (as_f32 <= high)):
         raise _flax_error(
-            f"loss_scale must be a finite, positive, normal float32 in [{low!r}, "
+            f"{name} must be a finite, positive, normal float32 in [{low!r}, "
             f"{high!r}] (the target's range), got {show(value)}.")
     if isinstance(target, StaticLossScale) and _concrete(target_leaf):
         configured = _host_array(target_leaf).astype(np.float32)
@@ -209,7 +256,7 @@ def _flax_from_state_dict(target: LossScale, state: Any) -> LossScale:
 
 
 def _flax_restore(target: LossScale, state: Any) -> LossScale:
-    names = _FLAX_LEAVES[type(target)]
+    names = leaf_names(target)
     if isinstance(state, (bytes, bytearray, memoryview)) and names:
         state = _read_record(target, bytes(state))
     if not isinstance(state, Mapping) or set(state) != set(names):
@@ -315,7 +362,7 @@ def from_bytes(target: Any, encoded: bytes) -> Any:
             f"structure ({type(error).__name__}: {show(str(error))}).") from None
 
 
-for _cls in _FLAX_LEAVES:
+for _cls in _SCALER_CLASSES:
     # override=True: re-importing (or reloading) this module must not fail.
     flax.serialization.register_serialization_state(
         _cls, _flax_to_state_dict, _flax_from_state_dict, override=True)

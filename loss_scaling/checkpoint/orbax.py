@@ -33,7 +33,7 @@ from loss_scaling._errors import show
 from loss_scaling.checkpoint.flax_record import PRE_LOSS_SCALING
 from loss_scaling.checkpoint.restore import replace_loss_scale, resolve
 from loss_scaling.checkpoint.state_dict import _host_array, from_state_dict, state_dict
-from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from loss_scaling.core.scalers import FLOAT_LEAVES, LossScale, leaf_names, leaf_ndim
 from loss_scaling.lookup import get_loss_scale
 
 __all__ = ["LOSS_SCALE_ITEM", "STATE_ITEM", "restore", "save_args"]
@@ -51,15 +51,15 @@ def one_replica(scaler: LossScale) -> LossScale:
     """
     leaves, treedef = jax.tree.flatten(scaler)
     single = []
-    for name, leaf in zip(("loss_scale", "growth_tracker", "nonfinite_tracker", "failure"),
-                          leaves, strict=False):
+    for name, leaf in zip(leaf_names(scaler), leaves, strict=True):
         host = _host_array(leaf)
-        as_bits = host.view(f"u{host.dtype.itemsize}")   # bitwise: a NaN equals itself
-        if host.shape != () and not (as_bits == as_bits.flat[0]).all():
+        own = host.shape[host.ndim - leaf_ndim(name):]   # the leaf's own axes, not replicas'
+        copies = host.reshape(-1, *own).view(f"u{host.dtype.itemsize}")  # bitwise: NaN == NaN
+        if not (copies == copies[0]).all():
             raise ValueError(
                 f"the replicas of the loss scale disagree: {name} is {host.tolist()}. Replicas "
                 "agree when the wrapper reduces over the devices (axis_name=...).")
-        single.append(host.reshape(-1)[0] if host.shape != () else host)
+        single.append(host.reshape(-1, *own)[0])
     return jax.tree.unflatten(treedef, [np.asarray(x) for x in single])
 
 
@@ -130,10 +130,7 @@ def save_args(state: Any, *, path: str | None = None, **items: Any) -> ocp.args.
 
 
 def _values(scaler: LossScale) -> dict[str, Any]:
-    names = {NoOpLossScale: (), StaticLossScale: ("loss_scale",),
-             DynamicLossScale: ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure")}
-    return {name: _host_array(getattr(scaler, name))
-            for name in names[type(scaler)]}
+    return {name: _host_array(getattr(scaler, name)) for name in leaf_names(scaler)}
 
 
 def _saved_items(mngr: ocp.CheckpointManager, step: int) -> list[str] | None:
@@ -157,11 +154,9 @@ def _in_own_dtypes(abstract_state: Any, scaler: LossScale) -> Any:
     them, so that the arrays can be compared bit for bit with the JSON. The leaves are
     found by identity (``get_loss_scale`` returns the target's own leaf objects).
     """
-    names = {NoOpLossScale: (), StaticLossScale: ("loss_scale",),
-             DynamicLossScale: ("loss_scale", "growth_tracker", "nonfinite_tracker",
-                                "failure")}[type(scaler)]
-    wanted = {id(getattr(scaler, name)): np.dtype(np.float32 if name == "loss_scale"
-                                                  else np.int32) for name in names}
+    wanted = {id(getattr(scaler, name)): np.dtype(np.float32 if name in FLOAT_LEAVES
+                                                  else np.int32)
+              for name in leaf_names(scaler)}
 
     def own_dtype(leaf: Any) -> Any:
         dtype = wanted.get(id(leaf))
@@ -251,7 +246,7 @@ def restore(
             raise ValueError(
                 f"the checkpoint of step {step} is corrupted: its arrays say {name} "
                 f"{show(got.tolist())}, its loss-scale JSON says "
-                f"{expected.item()!r}. Restore an intact copy.")
+                f"{expected.tolist()!r}. Restore an intact copy.")
     if key is None:
         return replace_loss_scale(restored, new, path)
     return {**restored, key: replace_loss_scale(restored[key], new, path)}

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +18,8 @@ from loss_scaling.checkpoint._values import (
     _TOP_KEYS,
     _VALUE_KEYS,
     FORMAT_VERSION,
+    HEADROOM_VALUE_KEYS,
+    INTERVAL_CONFIG_KEYS,
     InvalidStateDict,
     _exact_float32,
     _in_range,
@@ -31,8 +32,11 @@ from loss_scaling.checkpoint._values import (
 from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from loss_scaling.core.validation import (
     DynamicConfig,
+    config_fields,
     counter_ranges,
+    history_problem,
     positive_int32,
+    scale_range,
     validate_dynamic_config,
 )
 
@@ -56,8 +60,15 @@ def _parse(d: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
         raise InvalidStateDict(
             f"{_INVALID}unknown kind {show(kind)}: expected one of {list(_CONFIG_KEYS)}."
         )
-    raw_config = _mapping("config", d["config"], _CONFIG_KEYS[kind])
-    raw_values = _mapping("values", d["values"], _VALUE_KEYS[kind],
+    config_keys, value_keys = _CONFIG_KEYS[kind], _VALUE_KEYS[kind]
+    if kind == "dynamic":
+        if isinstance(d["config"], Mapping) and d["config"].get("growth") == "headroom":
+            value_keys += HEADROOM_VALUE_KEYS
+        else:  # the others may be given, and the validator refuses headroom options
+            config_keys = INTERVAL_CONFIG_KEYS
+    raw_config = _mapping("config", d["config"], config_keys,
+                          optional=_CONFIG_KEYS[kind])
+    raw_values = _mapping("values", d["values"], value_keys,
                           optional=("failure",) if kind == "dynamic" else ())
     if kind == "noop":
         return kind, None, {}
@@ -81,6 +92,7 @@ def _parse_dynamic(raw_config: Mapping[str, Any], raw_values: Mapping[str, Any],
             raise InvalidStateDict(_prefixed(error)) from None
     bounds = {k: None if raw_config[k] is None else _scale(f"config.{k}", raw_config[k])
               for k in ("min_scale", "max_scale")}
+    growth = _growth_options(raw_config)
     if bounds["min_scale"] is not None and loss_scale < bounds["min_scale"]:
         raise InvalidStateDict(
             f"{_INVALID}values.loss_scale ({loss_scale!r}) is below config.min_scale "
@@ -93,14 +105,63 @@ def _parse_dynamic(raw_config: Mapping[str, Any], raw_values: Mapping[str, Any],
         )
     try:
         config, loss_scale = validate_dynamic_config(
-            init_scale=loss_scale, **factors, **ints, **bounds)
+            init_scale=loss_scale, **factors, **ints, **bounds, **growth)
     except ValueError as error:  # names the argument (growth_factor, backoff_factor)
         raise InvalidStateDict(f"{_INVALID}config.{error}") from None
     counters = {}
     for name, (low, high, bound) in counter_ranges(config).items():  # failure: optional
         value = _integer(f"values.{name}", raw_values.get(name, 0))
         counters[name] = _in_range(f"values.{name}", value, low, high, bound)
-    return config, {"loss_scale": loss_scale, **counters}
+    values = {"loss_scale": loss_scale, **counters}
+    if config.growth == "headroom":
+        values.update(_parse_headroom(config, raw_values))
+    return config, values
+
+
+def _growth_options(raw_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The growth rule and its options as read (checked by the core validator after)."""
+    options: dict[str, Any] = {}
+    if "growth" in raw_config:
+        options["growth"] = raw_config["growth"]
+    if "headroom_margin" in raw_config:
+        options["headroom_margin"] = _exact_float32(
+            "config.headroom_margin", _number("config.headroom_margin",
+                                              raw_config["headroom_margin"]))
+    if "headroom_window" in raw_config:
+        options["headroom_window"] = _integer("config.headroom_window",
+                                              raw_config["headroom_window"])
+    if "headroom_dtype" in raw_config:
+        dtype = raw_config["headroom_dtype"]
+        if not isinstance(dtype, str):
+            raise InvalidStateDict(
+                f"{_INVALID}config.headroom_dtype must be a dtype name (a str such as "
+                f"'float16'), got {show(dtype)} of type {type(dtype).__name__}.")
+        options["headroom_dtype"] = dtype
+    return options
+
+
+def _parse_headroom(config: DynamicConfig, raw_values: Mapping[str, Any]) -> dict[str, Any]:
+    """``grad_max_history`` (``headroom_window`` float32 values, finite, >= 0) and
+    ``ceiling`` (a scale in the config's range) of a headroom state dict."""
+    raw = raw_values["grad_max_history"]
+    if not isinstance(raw, (list, tuple)) or len(raw) != config.headroom_window:
+        raise InvalidStateDict(
+            f"{_INVALID}values.grad_max_history must be a list of config.headroom_window "
+            f"= {config.headroom_window} numbers, got {show(raw)}.")
+    history = [_exact_float32(f"values.grad_max_history[{i}]",
+                              _number(f"values.grad_max_history[{i}]", x))
+               for i, x in enumerate(raw)]
+    problem = history_problem(np.asarray(history, np.float64))
+    if problem is not None:
+        raise InvalidStateDict(f"{_INVALID}values.grad_max_history: {problem}, got "
+                               f"{show(raw)}.")
+    ceiling = _scale("values.ceiling", raw_values["ceiling"])
+    low, high = scale_range(config)
+    if not low <= ceiling <= high:
+        raise InvalidStateDict(
+            f"{_INVALID}values.ceiling ({ceiling!r}) must lie in [{low!r}, {high!r}] (the "
+            "config's scale range).")
+    return {"grad_max_history": history, "ceiling": ceiling}
 
 
 def _build(kind: str, config: DynamicConfig | None, values: dict[str, Any]) -> LossScale:
@@ -109,12 +170,17 @@ def _build(kind: str, config: DynamicConfig | None, values: dict[str, Any]) -> L
     if kind == "static":
         return StaticLossScale(values["loss_scale"])
     assert config is not None
-    return DynamicLossScale._from_parts(config, (
+    leaves: tuple[Any, ...] = (
         jnp.asarray(values["loss_scale"], jnp.float32),
         jnp.asarray(values["growth_tracker"], jnp.int32),
         jnp.asarray(values["nonfinite_tracker"], jnp.int32),
         jnp.asarray(values.get("failure", 0), jnp.int32),
-    ))
+    )
+    if config.growth == "headroom":
+        leaves += (jnp.asarray(np.asarray(values["grad_max_history"], np.float32)),
+                   jnp.asarray(values["headroom_tracker"], jnp.int32),
+                   jnp.asarray(values["ceiling"], jnp.float32))
+    return DynamicLossScale._from_parts(config, leaves)
 
 
 # --------------------------------------------------------------------------- reading
@@ -159,17 +225,19 @@ def _static_factor(scaler: StaticLossScale) -> float | None:
     return float(values[0])
 
 
-def _read(name: str, leaf: Any, integer: bool) -> float | int:
-    """A scalar leaf as a Python number; refuses tracers and non-scalars."""
+def _read(name: str, leaf: Any, integer: bool, ndim: int = 0) -> Any:
+    """A scalar leaf as a Python number (``ndim=1``: a vector leaf as a list of floats);
+    refuses tracers and other shapes."""
     if isinstance(leaf, jax.core.Tracer):
         raise ValueError(
             f"state_dict needs concrete values, but {name} is a traced value {leaf!r}: call "
             "it outside jit/grad/vmap, on the state a compiled step returned."
         )
     array = _host_array(leaf)
-    if array.shape != ():
+    if array.ndim != ndim:
         raise ValueError(
-            f"state_dict needs scalar values, but {name} has shape {array.shape}. A "
+            f"state_dict needs {'scalar' if ndim == 0 else 'vector'} values, but {name} has "
+            f"shape {array.shape}. A "
             "replicated state (pmap) has a leading device axis: save one replica, e.g. "
             "`jax.tree.map(lambda x: x[0], scaler)`."
         )
@@ -182,7 +250,8 @@ def _read(name: str, leaf: Any, integer: bool) -> float | int:
     if integer:
         return int(array)
     with np.errstate(over="ignore", under="ignore"):
-        return float(array.astype(np.float32))
+        as_f32 = array.astype(np.float32)
+    return [float(x) for x in as_f32] if ndim else float(as_f32)
 
 
 def state_dict(scaler: LossScale) -> dict[str, Any]:
@@ -192,8 +261,10 @@ def state_dict(scaler: LossScale) -> dict[str, Any]:
     str, int, float and None: ``kind`` is ``"noop"``, ``"static"`` or ``"dynamic"``;
     for ``"dynamic"``, ``config`` has every constructor setting but ``init_scale`` and
     ``values`` has ``loss_scale`` (float), ``growth_tracker`` and ``nonfinite_tracker``
-    (int). Floats are float32 values, so ``json.dumps`` / ``json.loads`` round trips are
-    bit-exact.
+    (int). With ``growth="headroom"``, ``config`` also has ``growth`` and the headroom
+    options, and ``values`` has ``grad_max_history`` (a list of floats),
+    ``headroom_tracker`` (int) and ``ceiling`` (float). Floats are float32 values, so
+    ``json.dumps`` / ``json.loads`` round trips are bit-exact.
 
     The state is checked as :func:`from_state_dict` would check it, so a dict that cannot
     be restored is never written.
@@ -231,13 +302,19 @@ def state_dict(scaler: LossScale) -> dict[str, Any]:
     if isinstance(scaler, StaticLossScale):
         values["loss_scale"] = _read("loss_scale", scaler.loss_scale, integer=False)
     elif isinstance(scaler, DynamicLossScale):
-        config = dataclasses.asdict(scaler.config)
+        config = {name: getattr(scaler.config, name) for name in config_fields(scaler.config)}
         values["loss_scale"] = _read("loss_scale", scaler.loss_scale, integer=False)
         for name in ("growth_tracker", "nonfinite_tracker"):
             values[name] = _read(name, getattr(scaler, name), integer=True)
         failure = _read("failure", scaler.failure, integer=True)
         if failure:  # written only when set: a healthy state's dict is unchanged
             values["failure"] = failure
+        if scaler.growth == "headroom":
+            values["grad_max_history"] = _read("grad_max_history", scaler.grad_max_history,
+                                               integer=False, ndim=1)
+            values["headroom_tracker"] = _read("headroom_tracker", scaler.headroom_tracker,
+                                               integer=True)
+            values["ceiling"] = _read("ceiling", scaler.ceiling, integer=False)
     d = {"format_version": FORMAT_VERSION, "kind": kind, "config": config, "values": values}
     _parse(d)
     return d

@@ -380,18 +380,21 @@ def _axis_names(axis_name: AxisName) -> tuple[Any, ...]:
     return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
-def agree(flags: jax.Array, squares: jax.Array,
-          axis_name: AxisName) -> tuple[jax.Array, jax.Array]:
+def agree(flags: jax.Array, squares: jax.Array, axis_name: AxisName,
+          peak: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """Flags ANDed, and the sum of squares made one value, over the replicas: ONE ``pmin``.
 
     ``pmin(-x)`` is ``-pmax(x)``: where JAX does not track what varies (``pmap``,
     ``check_vma=False``) the replicas' gradients are taken to be the same, and the largest
     sum (an inf on one replica reaches all) is the one every replica reports. A NaN sum
     reads +inf first: the min of an all-reduce need not propagate NaN, and the norm of
-    non-finite gradients is then inf on every path and device.
+    non-finite gradients is then inf on every path and device. A ``peak`` (the largest
+    squared entry, headroom growth) rides in the same ``pmin``: ``(flags, squares, peak)``.
     """
-    squares = jnp.where(jnp.isnan(squares), jnp.inf, squares)
+    maxima = [jnp.where(jnp.isnan(x), jnp.inf, x) for x in (squares, peak) if x is not None]
     if axis_name is None:
-        return flags, squares
-    both = lax.pmin(jnp.concatenate([flags.astype(jnp.float32), -squares[None]]), axis_name)
-    return both[:-1] == 1, -both[-1]
+        return (flags, *maxima)
+    every = lax.pmin(jnp.concatenate([flags.astype(jnp.float32), *(-x[None] for x in maxima)]),
+                     axis_name)
+    n = flags.shape[0]
+    return (every[:n] == 1, *(-every[n + i] for i in range(len(maxima))))

@@ -20,7 +20,9 @@ from jax.tree_util import GetAttrKey
 from loss_scaling._errors import show
 from loss_scaling.core.validation import (
     DynamicConfig,
+    config_fields,
     positive_normal_float32,
+    scale_range,
     validate_dynamic_config,
 )
 
@@ -137,6 +139,13 @@ class DynamicLossScale:
       hysteresis: consecutive non-finite steps before the first backoff; an integer >= 1.
       min_scale: optional floor for the backoff (clamps instead of failing).
       max_scale: optional ceiling for the growth.
+      growth: ``"interval"`` (the default: the rule above) or ``"headroom"``.
+      headroom_margin: ``growth="headroom"`` only: a power of two >= 1 kept free between
+        the recent gradient maximum and the dtype's largest value (default 2**4).
+      headroom_window: ``growth="headroom"`` only: how many recent clean steps' maxima
+        count, an integer in [1, 65536] (default 16).
+      headroom_dtype: ``growth="headroom"`` only: the compute dtype whose range counts
+        (default float16; stored by name).
 
     Raises:
       ValueError: naming the argument and its value, for any invalid argument.
@@ -152,16 +161,27 @@ class DynamicLossScale:
       (2048.0, 0)
       >>> float(ls.update(s, False).loss_scale)
       1024.0
+      >>> import jax.numpy as jnp
+      >>> h = ls.DynamicLossScale(init_scale=1.0, growth="headroom", headroom_window=2)
+      >>> for _ in range(2):   # max |g| 1 at scale 1: 2**11 * 16 * 1 <= 65504 < 2**12 * 16
+      ...     h = ls.update(h, True, grads_max=jnp.float32(1.0))
+      >>> float(h.loss_scale)
+      2048.0
     """
 
-    __slots__ = ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure", "config")
+    __slots__ = ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure",
+                 "grad_max_history", "headroom_tracker", "ceiling", "config", "_names")
     __setattr__ = _frozen_setattr
     __delattr__ = _frozen_delattr
     loss_scale: jax.Array
     growth_tracker: jax.Array
     nonfinite_tracker: jax.Array
     failure: jax.Array
+    grad_max_history: jax.Array | None
+    headroom_tracker: jax.Array | None
+    ceiling: jax.Array | None
     config: DynamicConfig
+    _names: tuple[str, ...]
 
     def __init__(
         self,
@@ -172,6 +192,10 @@ class DynamicLossScale:
         hysteresis: int = 1,
         min_scale: float | None = None,
         max_scale: float | None = None,
+        growth: str = "interval",
+        headroom_margin: float | None = None,
+        headroom_window: int | None = None,
+        headroom_dtype: Any = None,
     ) -> None:
         config, init = validate_dynamic_config(
             init_scale=init_scale,
@@ -181,24 +205,52 @@ class DynamicLossScale:
             hysteresis=hysteresis,
             min_scale=min_scale,
             max_scale=max_scale,
+            growth=growth,
+            headroom_margin=headroom_margin,
+            headroom_window=headroom_window,
+            headroom_dtype=headroom_dtype,
         )
+        zero = jnp.zeros((), jnp.int32)
+        leaves: tuple[Any, ...] = (jnp.asarray(init, jnp.float32), zero, zero, zero)
+        if config.growth == "headroom":
+            leaves += (jnp.zeros((config.headroom_window,), jnp.float32), zero,
+                       jnp.asarray(scale_range(config)[1], jnp.float32))
+        # Each leaf its own buffer: donating one never deletes another.
+        self._fill(config, tuple(jnp.array(x) for x in leaves))
+
+    def _fill(self, config: DynamicConfig, leaves: tuple[Any, ...]) -> None:
+        names = HEADROOM_LEAVES if len(leaves) == len(HEADROOM_LEAVES) else DYNAMIC_LEAVES
         object.__setattr__(self, "config", config)
-        object.__setattr__(self, "loss_scale", jnp.asarray(init, jnp.float32))
-        object.__setattr__(self, "growth_tracker", jnp.zeros((), jnp.int32))
-        object.__setattr__(self, "nonfinite_tracker", jnp.zeros((), jnp.int32))
-        object.__setattr__(self, "failure", jnp.zeros((), jnp.int32))
+        object.__setattr__(self, "_names", names)
+        for name in HEADROOM_LEAVES:
+            object.__setattr__(self, name, None)
+        for name, leaf in zip(names, leaves, strict=True):
+            object.__setattr__(self, name, leaf)
 
     @classmethod
     def _from_parts(cls, config: DynamicConfig, leaves: tuple[Any, ...]) -> DynamicLossScale:
         """Rebuilds a state without validation (unflatten, serialization after checks).
 
-        ``leaves`` are ``(loss_scale, growth_tracker, nonfinite_tracker, failure)``.
+        ``leaves`` are ``(loss_scale, growth_tracker, nonfinite_tracker, failure)``, and
+        for ``growth="headroom"`` also ``(grad_max_history, headroom_tracker, ceiling)``
+        (:data:`HEADROOM_LEAVES`).
         """
         self = object.__new__(cls)
-        object.__setattr__(self, "config", config)
-        for name, leaf in zip(_DYNAMIC_LEAVES, leaves, strict=True):
-            object.__setattr__(self, name, leaf)
+        self._fill(config, tuple(leaves))
         return self
+
+    def _replace(self, **leaves: Any) -> DynamicLossScale:
+        """This state with the named leaves replaced (no validation)."""
+        unknown = set(leaves) - set(self._names)
+        if unknown:
+            raise ValueError(f"a {self.growth} DynamicLossScale has no leaves {sorted(unknown)}.")
+        return DynamicLossScale._from_parts(
+            self.config, tuple(leaves.get(n, getattr(self, n)) for n in self._names))
+
+    @property
+    def leaf_names(self) -> tuple[str, ...]:
+        """The names of the leaves, in flattening order."""
+        return self._names
 
     growth_factor = property(lambda self: self.config.growth_factor, doc="Growth multiplier.")
     backoff_factor = property(lambda self: self.config.backoff_factor, doc="Backoff multiplier.")
@@ -207,14 +259,14 @@ class DynamicLossScale:
     hysteresis = property(lambda self: self.config.hysteresis, doc="Non-finite steps per backoff.")
     min_scale = property(lambda self: self.config.min_scale, doc="Backoff floor, or None.")
     max_scale = property(lambda self: self.config.max_scale, doc="Growth ceiling, or None.")
+    growth = property(lambda self: "interval" if self.config is None else self.config.growth,
+                      doc="The growth rule, 'interval' or 'headroom'.")
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{f.name}={getattr(self.config, f.name)!r}"
-                           for f in dataclasses.fields(self.config))
-        return (f"DynamicLossScale(loss_scale={self.loss_scale!r}, "
-                f"growth_tracker={self.growth_tracker!r}, "
-                f"nonfinite_tracker={self.nonfinite_tracker!r}, "
-                f"failure={self.failure!r}, {fields})")
+        fields = ", ".join(f"{name}={getattr(self.config, name)!r}"
+                           for name in config_fields(self.config))
+        values = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._names)
+        return f"DynamicLossScale({values}, {fields})"
 
 
 # typing.Union rather than `A | B | C`: a types.UnionType's __doc__ is read-only, so the
@@ -271,7 +323,25 @@ def loss_scale_for(compute_dtype: Any, **dynamic_options: Any) -> LossScale:
 
 # ------------------------------------------------------------------ pytree registration
 
-_DYNAMIC_LEAVES = ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure")
+DYNAMIC_LEAVES = ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure")
+"""The leaves of a DynamicLossScale with ``growth="interval"``, in flattening order."""
+HEADROOM_LEAVES = (*DYNAMIC_LEAVES, "grad_max_history", "headroom_tracker", "ceiling")
+"""The leaves of a DynamicLossScale with ``growth="headroom"``, in flattening order."""
+_DYNAMIC_LEAVES = DYNAMIC_LEAVES
+FLOAT_LEAVES = frozenset({"loss_scale", "grad_max_history", "ceiling"})
+"""The float32 leaves of the scalers (the others are int32)."""
+
+
+def leaf_names(scaler: Any) -> tuple[str, ...]:
+    """The leaf names of any scaler, in flattening order (``()`` for NoOpLossScale)."""
+    if isinstance(scaler, DynamicLossScale):
+        return scaler.leaf_names
+    return ("loss_scale",) if isinstance(scaler, StaticLossScale) else ()
+
+
+def leaf_ndim(name: str) -> int:
+    """The rank of one scaler leaf as the library builds it (before any replica axes)."""
+    return 1 if name == "grad_max_history" else 0
 
 jax.tree_util.register_pytree_with_keys(
     NoOpLossScale,
@@ -296,9 +366,9 @@ jax.tree_util.register_pytree_with_keys(
 
 jax.tree_util.register_pytree_with_keys(
     DynamicLossScale,
-    lambda s: (tuple((GetAttrKey(n), getattr(s, n)) for n in _DYNAMIC_LEAVES), s.config),
+    lambda s: (tuple((GetAttrKey(n), getattr(s, n)) for n in s._names), s.config),
     lambda config, children: DynamicLossScale._from_parts(config, tuple(children)),
-    flatten_func=lambda s: (tuple(getattr(s, n) for n in _DYNAMIC_LEAVES), s.config),
+    flatten_func=lambda s: (tuple(getattr(s, n) for n in s._names), s.config),
 )
 
 

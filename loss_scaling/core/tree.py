@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from loss_scaling.core.numerics import (
     AxisName,
@@ -32,7 +33,7 @@ from loss_scaling.core.numerics import (
 )
 from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 
-__all__ = ["all_finite", "scale", "unscale"]
+__all__ = ["all_finite", "grads_max", "scale", "unscale"]
 
 
 def _check_state(state: Any) -> None:
@@ -158,3 +159,39 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
     if isinstance(axis_name, list):
         axis_name = tuple(axis_name)
     return _all_finite_jit(tree, axis_name=axis_name)
+
+
+def _grads_max(tree: Any, axis_name: AxisName) -> jax.Array:
+    peaks = [jnp.max(jnp.abs(x)).astype(jnp.float32) for x in jax.tree.leaves(tree)
+             if is_floating(x) and jnp.size(x)]
+    peak = jnp.max(jnp.stack(peaks)) if peaks else jnp.zeros((), jnp.float32)
+    return peak if axis_name is None else lax.pmax(peak, axis_name)
+
+
+_grads_max_jit = jax.jit(_grads_max, static_argnames="axis_name")
+
+
+def grads_max(tree: Any, axis_name: AxisName = None) -> jax.Array:
+    """The largest ``|entry|`` over the floating (real or complex) leaves of ``tree``.
+
+    What ``update(state, finite, grads_max=...)`` of a ``growth="headroom"`` scaler takes,
+    computed from the *scaled* gradients; the optax wrapper computes it itself, from the
+    same read as its finite test. Integer, bool and empty leaves are ignored (0 for none).
+
+    Args:
+      tree: any pytree.
+      axis_name: inside ``pmap`` or ``shard_map``, the mapped axis name (or names): the
+        max is taken over the replicas too, so that every replica grows alike.
+
+    Returns:
+      A float32 scalar array (inf or NaN if a leaf holds one).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import loss_scaling as ls
+      >>> ls.grads_max({"w": jnp.array([1.0, -3.0]), "step": jnp.int32(7)})
+      Array(3., dtype=float32)
+    """
+    if isinstance(axis_name, list):
+        axis_name = tuple(axis_name)
+    return _grads_max_jit(tree, axis_name=axis_name)

@@ -123,7 +123,10 @@ def apply_gradients(
       opt_state: ``tx``'s state, initialised with
         ``tx.init(eqx.filter(model, eqx.is_inexact_array))``.
       model: the Equinox model.
-      **extra_args: forwarded to the inner update; ``loss=`` is also checked.
+      **extra_args: forwarded to the inner update; ``loss=`` is also checked. With
+        ``max_replays``, ``value_fn=lambda model: loss_fn(model, batch)`` takes the
+        *model*: a replay calls it on the model rebuilt from the arrays it replays
+        (docs/replay.md).
 
     Returns:
       ``(new_model, new_opt_state)``.
@@ -145,6 +148,9 @@ def apply_gradients(
     """
     params, static = eqx.partition(model, eqx.is_inexact_array)
     _refuse_state_of_all_arrays(opt_state, params, model)
+    value_fn = extra_args.get("value_fn")
+    if callable(value_fn):  # the model's loss, as the trained arrays' loss
+        extra_args["value_fn"] = lambda p: value_fn(eqx.combine(p, static))
     params, opt_state = _apply_gradients(tx, grads, opt_state, params, **extra_args)
     return eqx.combine(params, static), opt_state
 

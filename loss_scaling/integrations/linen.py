@@ -52,6 +52,8 @@ class TrainState(train_state.TrainState):
         finite. Keyword arguments that name fields of the state replace them, as in flax;
         the others are the optimizer's extra arguments (``value=``, ``grad=``,
         ``value_fn=`` for ``optax.lbfgs`` and the line searches), forwarded to ``tx``.
+        With ``max_replays`` (docs/replay.md), ``value_fn=lambda params:
+        loss_fn(params, batch)`` is the loss a replay differentiates again.
 
         As flax's ``TrainState`` does, when the params hold flax's
         ``_overwrite_with_gradient`` collection (the amax histories and scales of the
@@ -67,6 +69,10 @@ class TrainState(train_state.TrainState):
         overwrite = _has_overwrite(grads)
         grads_with_opt = grads["params"] if overwrite else grads
         params_with_opt = self.params["params"] if overwrite else self.params
+        if overwrite and callable(extra.get("value_fn")):  # a loss of params["params"]
+            value_fn, rest = extra["value_fn"], self.params[OVERWRITE_WITH_GRADIENT]
+            extra["value_fn"] = lambda p: value_fn({"params": p,
+                                                    OVERWRITE_WITH_GRADIENT: rest})
         new_params, opt_state = apply_gradients(self.tx, grads_with_opt, self.opt_state,
                                                 params_with_opt, **extra)
         if overwrite:

@@ -35,6 +35,7 @@ from loss_scaling.checkpoint._values import place_like
 from loss_scaling.core import tree
 from loss_scaling.core.scalers import (
     _DYNAMIC_LEAVES,
+    HEADROOM_LEAVES,
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
@@ -211,7 +212,12 @@ class Optimizer(nnx.Optimizer):
           model: the Module the optimizer was built for.
           grads: gradients of the scaled loss (``loss_scaling.value_and_grad``).
           **kwargs: forwarded to the inner update; ``loss=`` is also checked (see
-            ``nonfinite_loss`` in :func:`loss_scaling.with_loss_scaling`).
+            ``nonfinite_loss`` in :func:`loss_scaling.with_loss_scaling`). With
+            ``max_replays``, ``value_fn=lambda model: loss_fn(model, batch)`` takes the
+            *model*: a replay runs it on a copy merged from the ``wrt`` arrays being
+            replayed and the model's other variables as they are now (after the first
+            pass); what it writes into that copy (BatchNorm statistics, RNG counts) is
+            discarded (docs/replay.md).
 
         Returns:
           None: unlike ``nnx.Optimizer.update``, the updates never leave the skip
@@ -220,12 +226,24 @@ class Optimizer(nnx.Optimizer):
         param_arrays = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
         grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
         opt_state_arrays = nnx.as_pure(self.opt_state)
+        if callable(kwargs.get("value_fn")):  # the model's loss, as the params' loss
+            kwargs["value_fn"] = _loss_of_params(model, self.wrt, self.graph,
+                                                 kwargs["value_fn"])
         kwargs_arrays = nnx.as_pure(kwargs)
         new_params, new_opt_state = apply_gradients(
             self.tx, grad_arrays, opt_state_arrays, param_arrays, **kwargs_arrays)
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
         self.step[...] += 1
+
+
+def _loss_of_params(model: Any, wrt: Any, graph: bool | None,
+                    value_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``value_fn(model)`` as a function of the ``wrt`` arrays (``nnx.as_pure`` of
+    ``nnx.state(model, wrt)``): run on a merged copy, so the model itself is untouched."""
+    graphdef, _, rest = nnx.split(model, wrt, ..., graph=graph)
+    rest = nnx.as_pure(rest)  # arrays: a Variable of the model cannot enter the replay's trace
+    return lambda params: value_fn(nnx.merge(graphdef, params, rest))
 
 
 def _wrapper_states(opt_state: Any) -> list[tuple[Any, LossScalingState]]:
@@ -292,8 +310,8 @@ def _scaler_from_mapping(node: Any) -> LossScale:
         return jax.tree.unflatten(jax.tree.structure(StaticLossScale(1.0)), [node["loss_scale"]])
     metadata: dict[str, Any] = getattr(node.get("loss_scale"), "get_metadata", dict)()
     config: Any = metadata.get(CONFIG_METADATA)  # None: get_loss_scale refuses it
-    return DynamicLossScale._from_parts(
-        config, tuple(node[name] for name in _DYNAMIC_LEAVES))
+    leaves = HEADROOM_LEAVES if "grad_max_history" in node else _DYNAMIC_LEAVES
+    return DynamicLossScale._from_parts(config, tuple(node[name] for name in leaves))
 
 
 def replace_scale(state: Any, new: LossScale, path: str | None) -> Any:

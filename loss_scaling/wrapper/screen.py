@@ -8,7 +8,7 @@ conditional that guards a step (valid under ``shard_map``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -48,10 +48,45 @@ def skip_cond(apply: jax.Array, step: Callable[[Any], Any], skip_step: Callable[
 
 
 
-def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None,
-                   axis_name: AxisName) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per gradient leaf, whether its unscaled values are all finite; their AND; and the
-    sum of squares of the (scaled) gradients, in float32, for the norm.
+def group_square_peak(leaves: Sequence[Any], group: numerics.LeafGroup) -> jax.Array:
+    """The largest ``|x|**2`` of the group's leaves as float32 (complex: ``re**2 +
+    im**2``); its square root is their max |entry|."""
+    x = numerics._joined(leaves, group)
+    compute = numerics.compute_dtype(x.dtype)
+    parts = [jnp.real(x), jnp.imag(x)] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
+    return jnp.max(sum(jnp.square(p.astype(compute)) for p in parts)).astype(jnp.float32)
+
+
+def square_peak(x: Any) -> jax.Array:
+    """``max(|x|**2)`` of one floating leaf as float32 (0 for other and empty leaves)."""
+    if not numerics.is_floating(x) or not jnp.size(x):
+        return jnp.zeros((), jnp.float32)
+    return group_square_peak([x], numerics.LeafGroup((0,), joined=False))
+
+
+def _peak(peaks: list[jax.Array]) -> jax.Array:
+    """The largest of per-leaf (or per-group) squared maxima, float32 (0 for none)."""
+    return jnp.max(jnp.stack(peaks)) if peaks else jnp.zeros((), jnp.float32)
+
+
+def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None, axis_name: AxisName,
+                  measure: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array,
+                                                             jax.Array | None]:
+    """Per gradient leaf, whether its unscaled values are all finite; their AND; the
+    sum of squares of the (scaled) gradients, in float32, for the norm; and with
+    ``measure`` (``growth="headroom"``: whether the rule records this step's max, a
+    bool) the largest |entry| of the scaled gradients (float32, agreed over
+    ``axis_name``), else None.
+
+    The max is the largest *square*'s square root. Off CPU it is a sibling reduction of
+    the squares the norm sums (one read), taken in the same collective, on every step.
+    XLA on CPU does not fuse a second reduction into the screen's vectorized sum (a
+    multi-output reduction ran 10-20x slower than the sum, benchmarks/headroom_cost.py):
+    there the max is a second read under a conditional, run only on the steps that
+    record it (and are finite), with its own collective; on the others it is 0, which
+    the rule ignores (:func:`loss_scaling.core.update.records_max`). A square that
+    overflows float32 (an entry above 1.8e19) reads inf, which the rule treats as no
+    room to grow: right, since such a gradient leaves none in float16 either.
 
     On XLA CPU a plain sum (of squares) is a vectorized read, while a reduction with the
     unscale or ``abs`` as its producer runs about three times slower (benchmarks/
@@ -70,12 +105,7 @@ def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None,
     leaves = jax.tree.leaves(grads)
     groups = numerics.leaf_groups(leaves)
     if jax.default_backend() != "cpu" or not groups:
-        # Sibling reductions of the same leaves: XLA fuses them into one read on GPU.
-        squares = numerics.replica_square_sum([numerics.square_sum(x) for x in leaves],
-                                              axis_name)
-        flags, _ = numerics.unscaled_finite_leaves(grads, inverse, None)
-        flags, squares = numerics.agree(flags, squares, axis_name)
-        return flags, flags.all(), squares
+        return _exact_test(grads, inverse, axis_name, measure is not None)
     small_reciprocal = jnp.asarray(True)
     if inverse is not None:
         small_reciprocal = (inverse.normal <= 1) | (inverse.post < 1)
@@ -113,6 +143,39 @@ def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None,
         return stacked, stacked.all()
 
     n = len(leaves)
-    return (*skip_cond(all_cleared,
-                        lambda _: (jnp.ones((n,), jnp.bool_), jnp.asarray(True)), exact, None),
-            squares)
+    flags, finite = skip_cond(all_cleared,
+                              lambda _: (jnp.ones((n,), jnp.bool_), jnp.asarray(True)),
+                              exact, None)
+    grads_max = None
+    if measure is not None:
+        grads_max = _read_max(leaves, groups, axis_name, measure & finite)
+    return flags, finite, squares, grads_max
+
+
+def _exact_test(grads: Any, inverse: numerics.Reciprocal | None, axis_name: AxisName,
+                with_max: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """:func:`finite_leaves` off CPU: the exact test, and sibling reductions of the same
+    leaves for the norm (and the max), which XLA fuses into one read on GPU."""
+    leaves = jax.tree.leaves(grads)
+    squares = numerics.replica_square_sum([numerics.square_sum(x) for x in leaves],
+                                          axis_name)
+    flags, _ = numerics.unscaled_finite_leaves(grads, inverse, None)
+    if with_max:
+        flags, squares, peak = numerics.agree(
+            flags, squares, axis_name, _peak([square_peak(x) for x in leaves]))
+        return flags, flags.all(), squares, jnp.sqrt(peak)
+    flags, squares = numerics.agree(flags, squares, axis_name)
+    return flags, flags.all(), squares, None
+
+
+def _read_max(leaves: list[Any], groups: list[numerics.LeafGroup], axis_name: AxisName,
+              read: jax.Array) -> jax.Array:
+    """On CPU: the max |entry| in a pass of its own under a conditional (0 unless
+    ``read``), agreed over ``axis_name`` by its own ``pmin`` (NaN-safe)."""
+    def read_max(_: Any) -> jax.Array:
+        peak = _peak([group_square_peak(leaves, group) for group in groups])
+        if axis_name is not None:
+            peak = -lax.pmin(-jnp.where(jnp.isnan(peak), jnp.inf, peak), axis_name)
+        return jnp.sqrt(peak)
+
+    return skip_cond(read, read_max, lambda _: jnp.zeros((), jnp.float32), None)

@@ -24,6 +24,11 @@ NonFiniteLoss = Literal["backoff", "skip"]
 GRADIENT_EXTRA_ARGS = ("grad",)
 """Extra arguments of ``update`` that hold gradients of the scaled loss: unscaled and checked."""
 CONSUMED_EXTRA_ARGS = ("loss",)
+REPLAY_EXTRA_ARG = "value_fn"
+"""The loss function (of the params, unscaled) that a replay differentiates again; also
+forwarded to an inner optimizer whose ``update`` takes it (optax's line searches)."""
+MAX_REPLAYS = 64
+"""The largest ``max_replays``: 64 backoffs by 0.5 take any float32 scale below 2**-40."""
 """Extra arguments of ``update`` that are the wrapper's own (checked) and not forwarded:
 optax's line searches (``lbfgs``) and ``optax.contrib.sam`` refuse arguments they do not
 know. An inner optimizer that wants the loss takes it as ``value=``, optax's name."""
@@ -63,6 +68,11 @@ class LossScalingState(NamedTuple):
         is the same on every replica: shards of a leaf split over the axes (under
         ``shard_map``) add their squares; replicated gradients count once. 0 before the
         first step.
+      replays: int32, batches recomputed at a backed-off scale in total (saturating): each
+        replay is one more forward and backward pass inside the step
+        (``max_replays``, docs/replay.md). A replayed step that ends finite is applied.
+      last_step_replays: int32, the replays of the last step (0 when its first pass was
+        finite, or replay is off).
     """
 
     scaler: LossScale
@@ -77,6 +87,8 @@ class LossScalingState(NamedTuple):
     clean_growths: jax.Array
     underflow: UnderflowStats | None
     grad_norm: jax.Array
+    replays: jax.Array
+    last_step_replays: jax.Array
 
 
 class UnderflowStats(NamedTuple):
@@ -152,6 +164,7 @@ class WrapperOptions(NamedTuple):
     max_consecutive_skips: int | None
     nonfinite_loss: NonFiniteLoss
     underflow_diagnostics: bool
+    max_replays: int = 0
 
 
 def initial_state(scaler: LossScale, inner_state: Any, n_grads: int,
@@ -173,6 +186,8 @@ def initial_state(scaler: LossScale, inner_state: Any, n_grads: int,
                                  jnp.zeros((n_grads,), jnp.int32))
         if underflow_diagnostics else None,
         grad_norm=jnp.zeros((), jnp.float32),
+        replays=jnp.zeros((), jnp.int32),
+        last_step_replays=jnp.zeros((), jnp.int32),
     )
 
 

@@ -9,6 +9,7 @@ the loss scale, the counters and the failure register, always, last.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -22,11 +23,13 @@ from loss_scaling._errors import Failure
 from loss_scaling.core import numerics
 from loss_scaling.core import update as scalers
 from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale
+from loss_scaling.wrapper import replay
 from loss_scaling.wrapper.screen import finite_leaves, skip_cond
 from loss_scaling.wrapper.state import (
     _BELOW_F16_TINY,
     CONSUMED_EXTRA_ARGS,
     GRADIENT_EXTRA_ARGS,
+    REPLAY_EXTRA_ARG,
     LossScalingState,
     SkipMode,
     UnderflowStats,
@@ -37,15 +40,18 @@ from loss_scaling.wrapper.state import (
 )
 
 
-def _stepped_scaler(scaler: LossScale, finite: jax.Array) -> LossScale:
+def _stepped_scaler(scaler: LossScale, finite: jax.Array,
+                    grads_max: jax.Array | None = None) -> LossScale:
     """The scaler's next state, a failure recorded but never raised (eager included).
 
     The wrapper decides afterwards whether that step counts (``nonfinite_loss="skip"``
     discards it on a non-finite loss) and raises an eager failure itself (:func:`_report`).
+    ``grads_max``: the scaled gradients' max |entry|, for ``growth="headroom"``.
     """
     if isinstance(scaler, DynamicLossScale):
-        return scalers.step_recorded(scaler, finite)
+        return scalers.step_recorded(scaler, finite, grads_max=grads_max)
     return scaler
+
 
 
 def _underflow_stats(grads: Any, inverse: numerics.Reciprocal | None) -> UnderflowStats:
@@ -88,11 +94,15 @@ def _unscale(grads: Any, inverse: numerics.Reciprocal | None) -> Any:
     return grads if inverse is None else numerics.unscale_tree(grads, inverse)
 
 
-def _inner_extra_args(extra_args: dict[str, Any],
+def _inner_extra_args(options: WrapperOptions, extra_args: dict[str, Any],
                       inverse: numerics.Reciprocal | None) -> dict[str, Any]:
-    """The extra arguments for the inner update: ``grad=`` unscaled, ``loss=`` consumed."""
+    """The extra arguments for the inner update: ``grad=`` unscaled, ``loss=`` consumed;
+    with replay on, ``value_fn=`` (the wrapper's) only for an inner update that takes it."""
+    consumed = CONSUMED_EXTRA_ARGS
+    if options.max_replays and not replay.inner_takes_value_fn(options.inner):
+        consumed += (REPLAY_EXTRA_ARG,)
     return {name: _unscale(value, inverse) if name in GRADIENT_EXTRA_ARGS else value
-            for name, value in extra_args.items() if name not in CONSUMED_EXTRA_ARGS}
+            for name, value in extra_args.items() if name not in consumed}
 
 
 class StepDecision(NamedTuple):
@@ -107,6 +117,10 @@ class StepDecision(NamedTuple):
     grads: Any  # the scaled gradients (their leaves' names, the underflow statistics)
     inverse: numerics.Reciprocal | None  # the scale's reciprocal, computed once per step
     grad_norm: jax.Array  # float32 global norm of the unscaled gradients
+    replays: jax.Array  # int32: how often this step's batch was recomputed (wrapper/replay.py)
+    # max |entry| of the SCALED gradients (float32, agreed over replicas), read by the
+    # same pass as the finite screen; only for growth="headroom", else None
+    grads_max: jax.Array | None = None
 
 
 def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
@@ -119,7 +133,11 @@ def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
             "diagnostics from the params given to `init`): pass gradients with the structure "
             "of the params the state was initialised with.")
     inverse = _reciprocal(state.scaler)
-    leaf_finite, grads_finite, squares = finite_leaves(grads, inverse, options.axis_name)
+    scaler = state.scaler
+    measure = (scalers.records_max(scaler) if isinstance(scaler, DynamicLossScale)
+               and scaler.growth == "headroom" else None)
+    leaf_finite, grads_finite, squares, grads_max = finite_leaves(
+        grads, inverse, options.axis_name, measure)
     grad_norm = jnp.sqrt(squares)
     if inverse is not None:  # unscaled: by the reciprocal's two exact factors
         grad_norm = (grad_norm * inverse.normal) * inverse.post
@@ -141,7 +159,8 @@ def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
         valid_scale = scalers.is_positive_normal(state.scaler.loss_scale)
     healthy &= valid_scale
     return StepDecision(healthy & grads_finite & loss_finite, healthy, valid_scale,
-                        grads_finite, loss_finite, leaf_finite, grads, inverse, grad_norm)
+                        grads_finite, loss_finite, leaf_finite, grads, inverse, grad_norm,
+                        jnp.zeros((), jnp.int32), grads_max)
 
 
 def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: Any,
@@ -150,11 +169,13 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
     if options.nonfinite_loss == "skip":
         # The forward pass, not the scale, made the loss non-finite: leave the scale be.
         # Eagerly too: a backoff discarded here must not raise (as under jit).
-        stepped_scaler = _stepped_scaler(state.scaler, decision.grads_finite)
+        stepped_scaler = _stepped_scaler(state.scaler, decision.grads_finite,
+                                         decision.grads_max)
         stepped_scaler = optax.tree.where(decision.loss_finite, stepped_scaler, state.scaler)
     else:
         stepped_scaler = _stepped_scaler(state.scaler,
-                                         decision.grads_finite & decision.loss_finite)
+                                         decision.grads_finite & decision.loss_finite,
+                                         decision.grads_max)
     consecutive_skips = _count(state.consecutive_skips, applied, reset=True)
 
     failure, fails, new_scaler = _next_failure(options, state, stepped_scaler,
@@ -162,7 +183,7 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
 
     # Growths since the last overflow (the mis-use detector), and the underflow statistics.
     grew = jnp.asarray(new_scaler.loss_scale) > jnp.asarray(state.scaler.loss_scale)
-    clean_growths = jnp.where(decision.grads_finite,
+    clean_growths = jnp.where(decision.grads_finite & (decision.replays == 0),
                               state.clean_growths + grew.astype(jnp.int32), 0)
     underflow = None
     if state.underflow is not None:  # non-finite gradients have no fractions: keep the last
@@ -185,6 +206,8 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
         clean_growths=clean_growths,
         underflow=underflow,
         grad_norm=decision.grad_norm,
+        replays=replay.saturating_add(state.replays, decision.replays),
+        last_step_replays=decision.replays,
     )
     _report(options, new_state, fails, leaf_names(decision.grads))
     return new_state
@@ -211,9 +234,8 @@ def _next_failure(options: WrapperOptions, state: LossScalingState, stepped_scal
     fails = ~failed_before & (failure != Failure.NONE)
     new_scaler = optax.tree.where(failed_before, state.scaler, stepped_scaler)
     if isinstance(new_scaler, DynamicLossScale):
-        new_scaler = DynamicLossScale._from_parts(new_scaler.config, (
-            new_scaler.loss_scale, new_scaler.growth_tracker, new_scaler.nonfinite_tracker,
-            jnp.where(new_scaler.failure == Failure.NONE, failure, new_scaler.failure)))
+        new_scaler = new_scaler._replace(failure=jnp.where(
+            new_scaler.failure == Failure.NONE, failure, new_scaler.failure))
     return failure, fails, new_scaler
 
 
@@ -255,6 +277,17 @@ def _resolve_skip(skip: SkipMode, fused: bool) -> Literal["cond", "select"]:
     return "select"
 
 
+def _inner_step(options: WrapperOptions, inverse: numerics.Reciprocal | None,
+                extra_args: dict[str, Any], fused: bool, operands: Any) -> Any:
+    """The taken branch: unscale, the inner update and, fused, ``apply_updates``."""
+    grads, inner_state, params = operands
+    updates, new_inner = options.inner.update(
+        _unscale(grads, inverse), inner_state, params,
+        **_inner_extra_args(options, extra_args, inverse))
+    out = optax.apply_updates(params, updates) if fused else updates
+    return out, _in_dtypes_of(new_inner, inner_state)
+
+
 def guarded_step(options: WrapperOptions, grads: Any, state: LossScalingState, params: Any,
                  extra_args: dict[str, Any], *, fused: bool) -> tuple[Any, LossScalingState]:
     """The one step of both paths: decide, then step or skip, then the next state.
@@ -264,18 +297,15 @@ def guarded_step(options: WrapperOptions, grads: Any, state: LossScalingState, p
     decision too and returns ``(params, state)``, a skip's params the given ones.
     """
     decision = decide(options, grads, state, extra_args)
-    inverse = decision.inverse
-
-    def step(operands: Any) -> Any:
-        grads, inner_state, params = operands
-        updates, new_inner = options.inner.update(
-            _unscale(grads, inverse), inner_state, params,
-            **_inner_extra_args(extra_args, inverse))
-        out = optax.apply_updates(params, updates) if fused else updates
-        return out, _in_dtypes_of(new_inner, inner_state)
+    mode = _resolve_skip(options.skip, fused)
+    if replay.enabled(options, state):  # the batch recomputed while it overflows
+        decision, scaler, extra_args = replay.replay(options, state, params, extra_args,
+                                                     decision, decide)
+        state, grads = state._replace(scaler=scaler), decision.grads
+    step = functools.partial(_inner_step, options, decision.inverse, extra_args, fused)
 
     operands = (grads, state.inner_state, params)
-    if _resolve_skip(options.skip, fused) == "select":
+    if mode == "select":
         stepped, stepped_inner = step(operands)
         skipped = params if fused else optax.tree.full_like(stepped, -0.0)
         out = optax.tree.where(decision.apply, stepped, skipped)

@@ -33,6 +33,7 @@ from loss_scaling.core import validation
 from loss_scaling.core.numerics import AxisName
 from loss_scaling.core.scalers import SCALER_TYPES, DynamicLossScale, LossScale
 from loss_scaling.wrapper.state import (
+    MAX_REPLAYS,
     LossScalingState,
     NonFiniteLoss,
     SkipMode,
@@ -69,6 +70,7 @@ def with_loss_scaling(
     max_consecutive_skips: int | None = None,
     nonfinite_loss: NonFiniteLoss = "backoff",
     underflow_diagnostics: bool = False,
+    max_replays: int = 0,
 ) -> LossScalingTransformation:
     """Wraps ``inner`` so that it takes gradients of the scaled loss and skips bad steps.
 
@@ -120,13 +122,24 @@ def with_loss_scaling(
         that are nonzero but below float16's smallest normal once unscaled. They tell
         whether a model needs a larger scale (or none), and which layers underflow. One
         fused reduction over the gradients; ``False`` (the default) compiles nothing.
+      max_replays: replay (docs/replay.md): with a ``DynamicLossScale``, a batch whose
+        gradients overflow is recomputed at once at the backed-off scale (hysteresis
+        ignored), inside the same compiled step, up to this many times, and applied; it
+        is skipped only when its loss is not finite, the replays are used up, or the
+        scale cannot go lower. The update then needs the loss as a function of the
+        params, ``value_fn=lambda params: loss_fn(params, batch)`` (unscaled), also
+        forwarded to an inner update that takes it (optax's line searches). Counted in
+        ``metrics(...)["replays"]``. An integer in [0, 64]; 0 (the default) is off and
+        compiles nothing. ``StaticLossScale`` and ``NoOpLossScale`` cannot back off:
+        their steps are skipped as without it.
 
     Returns:
       A :class:`LossScalingTransformation` (an ``optax.GradientTransformationExtraArgs``).
 
     Raises:
-      ValueError: for an unknown ``skip``, ``on_failure`` or ``nonfinite_loss``, or a
-        ``max_consecutive_skips`` that is not a positive integer.
+      ValueError: for an unknown ``skip``, ``on_failure`` or ``nonfinite_loss``, a
+        ``max_consecutive_skips`` that is not a positive integer, or a ``max_replays``
+        outside [0, 64]; from ``update``, with replay on and no ``value_fn=``.
       TypeError: if ``scaler`` is not a loss-scale state; from ``init``, if a params leaf
         has a dtype without a zero (``float8_e8m0fnu``), which no skipped step can keep.
 
@@ -156,6 +169,10 @@ def with_loss_scaling(
     if max_consecutive_skips is not None:
         max_consecutive_skips = validation.positive_int32("max_consecutive_skips",
                                                        max_consecutive_skips)
+    max_replays = validation.int_in_range(
+        "max_replays", max_replays, 0, MAX_REPLAYS,
+        " Pass 0 (the default) for no replay, or a small count such as 2: each replay is "
+        "one more forward and backward pass of an overflowed batch.")
     if scaler is None:
         scaler = DynamicLossScale()
     if not isinstance(scaler, SCALER_TYPES):
@@ -169,7 +186,7 @@ def with_loss_scaling(
     options = WrapperOptions(
         inner=inner, axis_name=axis_name, skip=skip, on_failure=on_failure,
         max_consecutive_skips=max_consecutive_skips, nonfinite_loss=nonfinite_loss,
-        underflow_diagnostics=bool(underflow_diagnostics))
+        underflow_diagnostics=bool(underflow_diagnostics), max_replays=max_replays)
 
     def init_fn(params: optax.Params) -> LossScalingState:
         _refuse_dtypes_without_zero(params)
@@ -214,7 +231,8 @@ def apply_gradients(
       params: the parameters.
       **extra_args: forwarded to the inner update, except ``loss=``, which is checked
         (see ``nonfinite_loss`` in :func:`with_loss_scaling`) and not forwarded; ``grad=``
-        is unscaled and checked.
+        is unscaled and checked; ``value_fn=`` (the params' unscaled loss) is what a
+        replay differentiates (``max_replays`` in :func:`with_loss_scaling`).
 
     Returns:
       ``(new_params, new_opt_state)``.

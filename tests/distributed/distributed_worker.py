@@ -654,7 +654,139 @@ def readme_snippets() -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- replay
+#
+# The injected overflow of tests/test_replay.py: sum(f16(w) * f16(x)), whose float16
+# backward overflows for x = 1000 above a known scale. Only device REPLAY_DEVICE's rows
+# hold the 1000; the gradients meet in float32 (psum / pmean), so every replica sees the
+# overflow through its reduced gradients and the agreed flags.
+
+REPLAY_DEVICE = 3
+
+
+def replay_loss(params: Any, x: jax.Array) -> jax.Array:
+    product = params["w"].astype(jnp.float16) * x.astype(jnp.float16)
+    return jnp.mean(jnp.sum(product, axis=-1).astype(jnp.float32))
+
+
+def replay_batch() -> np.ndarray:
+    x = np.tile(np.array([[1.0, 2.0, 3.0]], np.float32), (N_DEVICES, 1))
+    x[REPLAY_DEVICE, 0] = 1000.0
+    return x
+
+
+@jax.custom_vjp
+def mean_grads(params: Any) -> Any:
+    """The identity, whose backward pass averages the gradients over "data" (pmap)."""
+    return params
+
+
+mean_grads.defvjp(lambda p: (p, None), lambda _, g: (lax.pmean(g, "data"),))
+
+
+def replay_step(path: str, tx: Any) -> Any:
+    """``step(params, opt_state, x) -> (params, opt_state, metrics)`` on one path."""
+    def apply(loss_of: Any, params: Any, opt_state: Any) -> Any:
+        loss, grads = ls.value_and_grad(loss_of)(opt_state, params)
+        params, opt_state = ls.apply_gradients(tx, grads, opt_state, params, loss=loss,
+                                               value_fn=loss_of)
+        return params, opt_state, ls.metrics(opt_state)
+
+    if path == "jit":
+        return jax.jit(lambda p, s, x: apply(lambda q: replay_loss(q, x), p, s))
+    if path == "pmap":
+        return jax.pmap(lambda p, s, x: apply(lambda q: replay_loss(mean_grads(q), x), p, s),
+                        axis_name="data")
+    mesh = jax.make_mesh((N_DEVICES,), ("data",))
+    local = lambda p, s, x: apply(  # noqa: E731
+        lambda q: lax.pmean(replay_loss(q, x), "data"), p, s)
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                 out_specs=(P(), P(), P())))
+
+
+def replay_scenarios() -> dict:
+    """One step with an overflow on one device, max_replays=4, on each path."""
+    out: dict[str, Any] = {}
+    for path in ("jit", "shard_map", "pmap"):
+        for max_replays in (4, 0):
+            scale = ls.DynamicLossScale(init_scale=2048.0 if path != "pmap" else 256.0)
+            tx = ls.with_loss_scaling(optax.sgd(0.5), scale, max_replays=max_replays,
+                                      axis_name=None if path == "jit" else "data")
+            params = {"w": jnp.array([0.5, -1.0, 2.0])}
+            opt_state, x = tx.init(params), replay_batch()
+            if path == "pmap":
+                params, opt_state = jax.pmap(lambda t: t, axis_name="data")(jax.tree.map(
+                    lambda a: np.stack([np.asarray(a)] * N_DEVICES), (params, opt_state)))
+            else:
+                x = jax.device_put(x, NamedSharding(
+                    jax.make_mesh((N_DEVICES,), ("data",)), P("data")))
+            params, opt_state, inside = replay_step(path, tx)(params, opt_state, x)
+            stacked = path == "pmap"
+            out[f"{path}/{max_replays}"] = {
+                "params": np.asarray(params["w"])[0] if stacked else np.asarray(params["w"]),
+                "distinct": distinct_copies((params, opt_state), stacked),
+                "metrics": {k: per_replica(v, stacked) for k, v in inside.items()},
+            }
+    # The single-device run at the scale the replays reached: the same step.
+    reference = ls.with_loss_scaling(optax.sgd(0.5), ls.DynamicLossScale(init_scale=512.0))
+    params = {"w": jnp.array([0.5, -1.0, 2.0])}
+    loss_of = lambda q: replay_loss(q, jnp.asarray(replay_batch()))  # noqa: E731
+    _, grads = ls.value_and_grad(loss_of)(reference.init(params), params)
+    out["reference"] = np.asarray(
+        ls.apply_gradients(reference, grads, reference.init(params), params)[0]["w"])
+
+
+def headroom() -> dict:
+    """growth="headroom" with a different gradient max on every device (one step, a
+    window of 1): every device's copy of the scale, and the max the rule recorded."""
+    scaler = ls.DynamicLossScale(init_scale=1.0, growth="headroom", headroom_window=1)
+    tx = ls.with_loss_scaling(optax.sgd(1e-3), scaler, axis_name="data")
+    # Device i holds entries of at most (i + 1) / 64: the global max is 1/8 (device 7).
+    local = np.full((N_DEVICES, 4096 + 8), 1e-4, np.float32)
+    local[np.arange(N_DEVICES), np.arange(N_DEVICES) * 3] = (np.arange(N_DEVICES) + 1) / 64
+    params = {"w": jnp.zeros(4096 + 8), "b": jnp.zeros(3)}
+    small = np.full((N_DEVICES, 3), 1e-4, np.float32)
+    out: dict[str, Any] = {}
+
+    def scaler_of(opt_state: Any, stacked: bool) -> dict:
+        s = ls.get_loss_scale(opt_state)
+        return {"loss_scale": per_replica(s.loss_scale, stacked),
+                "history": [v for _, v in copies(s.grad_max_history, stacked)]}
+
+    def local_step(opt_state, w, b):
+        return ls.apply_gradients(tx, {"w": w.reshape(-1), "b": b.reshape(-1)}, opt_state,
+                                  params)[1]
+
+    stepped = jax.pmap(local_step, axis_name="data")(
+        jax.pmap(lambda _: tx.init(params))(np.zeros(N_DEVICES)), local, small)
+    out["pmap"] = scaler_of(stepped, True)
+    mesh = jax.make_mesh((N_DEVICES,), ("data",))
+    for check_vma in (True, False):
+        step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P("data"),
+                                                                      P("data")),
+                                     out_specs=P(), check_vma=check_vma))
+        opt_state = place_on(mesh, tx.init(params))
+        rows = NamedSharding(mesh, P("data"))
+        out[f"shard_map/{check_vma}"] = scaler_of(step(
+            opt_state, jax.device_put(local, rows), jax.device_put(small, rows)), False)
+    # Sharded jit: a global gradient array whose shards have different maxima.
+    plain = ls.with_loss_scaling(optax.sgd(1e-3), scaler)
+    sharding = NamedSharding(mesh, P("data"))
+    grads = {"w": jax.device_put(local.reshape(-1), sharding),
+             "b": jax.device_put(small[0], NamedSharding(mesh, P()))}
+    big = {"w": jnp.zeros(N_DEVICES * (4096 + 8)), "b": jnp.zeros(3)}
+    opt_state = jax.jit(lambda g, s, p: ls.apply_gradients(plain, g, s, p)[1])(
+        grads, place_on(mesh, plain.init(big)),
+        {"w": jax.device_put(big["w"], sharding), "b": place_on(mesh, big["b"])})
+    out["jit"] = scaler_of(opt_state, False)
+    return out
+
+
 SCENARIOS: dict[str, Callable[[], dict]] = {
+    "replay": replay_scenarios,
+
+
+    "headroom": headroom,
     "all_finite": all_finite_scenarios,
     "step_collectives": step_collectives,
     "multi_step": multi_step,

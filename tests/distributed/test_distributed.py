@@ -193,10 +193,11 @@ def test_compiles_once_and_donates(results, run_id):
     run = run_result(results, "multi_step", run_id)
     assert run["traces"] == 1
     assert run["cache_size"] in (1, None)  # pmap has no cache to ask
-    # Every donated buffer is consumed, except the inputs `last_step_finite` (bool) and
-    # `grad_norm` (float32), which the step only writes (jit prunes unused arguments, so
-    # their buffers stay alive).
-    assert all(kept in ([], ["bool"], ["bool", "float32"]) for kept in run["kept"]), run["kept"]
+    # Every donated buffer is consumed, except the inputs `last_step_finite` (bool),
+    # `grad_norm` (float32) and `last_step_replays` (int32), which the step only writes (jit
+    # prunes unused arguments, so their buffers stay alive).
+    assert all(kept in ([], ["bool"], ["bool", "float32"], ["bool", "float32", "int32"])
+               for kept in run["kept"]), run["kept"]
     # tx.init hands out fresh buffers: it still works after donated steps.
     assert run["reinit_scale"] == 1024.0
 
@@ -298,3 +299,35 @@ def test_docs_blocks_run_on_every_path(results):
         assert metrics["skipped_steps"].tolist() == [1] * N_DEVICES, i
         assert metrics["loss_scale"].tolist() == [2.0**14] * N_DEVICES, i
         assert snippet["cache_size"] in (1, None), i
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+@pytest.mark.parametrize("path", ["jit", "shard_map", "pmap"])
+def test_replay_takes_the_same_decision_on_every_device(results, path):
+    """One device's rows overflow: every replica replays twice, applies the batch, and
+    equals the single-device step at the backed-off scale; without replay all skip."""
+    value = scenario(results, "replay")
+    replayed, skipped = value[f"{path}/4"], value[f"{path}/0"]
+    final_scale = 512.0 if path != "pmap" else 64.0
+    assert replayed["distinct"] == 1 and skipped["distinct"] == 1
+    assert replayed["metrics"]["replays"].tolist() == [2] * N_DEVICES
+    assert replayed["metrics"]["skipped_steps"].tolist() == [0] * N_DEVICES
+    assert replayed["metrics"]["loss_scale"].tolist() == [final_scale] * N_DEVICES
+    assert bits(replayed["params"]) == bits(value["reference"])
+    assert skipped["metrics"]["skipped_steps"].tolist() == [1] * N_DEVICES
+    assert skipped["metrics"]["replays"].tolist() == [0] * N_DEVICES
+
+
+# --------------------------------------------------------------- growth="headroom"
+
+
+@pytest.mark.parametrize("path", ["pmap", "shard_map/True", "shard_map/False", "jit"])
+def test_headroom_growth_takes_the_max_over_every_device(results, path):
+    """Device i's gradients peak at (i + 1) / 64: every device records the global max,
+    1/8, and grows to the same scale, 2**14 (2**14 * 16 / 8 <= 65504 < 2**15 * 16 / 8),
+    where its own max (1/64) would have let device 0 grow to 2**17."""
+    run = scenario(results, "headroom")[path]
+    assert run["loss_scale"].tolist() == [2.0**14] * N_DEVICES
+    assert [h.tolist() for h in run["history"]] == [[0.125]] * N_DEVICES
