@@ -453,8 +453,7 @@ COLUMNS = (
     ("overflowed_steps", "overflowed steps (injected + growth)", None),
     ("replays", "replays", "{}"),
     ("final_scale", "final scale", "2^{:.0f}"),
-    ("mean_zero_fraction", "mean underflow (zero)", "{:.2e}"),
-    ("mean_small_fraction", "mean small (< 6.1e-5)", "{:.2e}"),
+    ("mean_zero_fraction", "mean underflow", "{:.2e}"),
     ("final_loss", "final loss", "{:.4f}"),
 )
 
