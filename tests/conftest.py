@@ -17,12 +17,13 @@ import pytest
 SLOW_MODULES = (
     "tests/distributed/",  # one subprocess on 8 virtual devices runs every scenario
     "tests/multihost/",  # several jax.distributed processes
-    "tests/test_notebooks.py",  # executes the three notebooks
+    "tests/test_notebooks.py",  # executes the notebooks
     "tests/test_static_checks.py",  # mypy and ruff over the package
     "tests/test_update_rule.py",  # hypothesis against the reference model
     "tests/test_torch_reference.py",  # imports torch; PyTorch's kernels on every bit pattern
     "tests/test_restore_devices.py",  # subprocesses on 8 devices and on 2 processes
     "tests/test_restore_fuzz.py",  # hypothesis over corrupted bytes and checkpoint files
+    "tests/test_policy_runs.py",  # four short float16 training runs of the demo model
 )
 
 # Tests that use these (module-scoped, expensive) fixtures.
@@ -97,6 +98,8 @@ SLOW_TESTS = (
 # with and without native float16 arithmetic.
 NUMERICS_MODULES = (
     "tests/test_tree.py",  # scale / unscale / all_finite, bit for bit
+    # which steps overflow float16 decides the run table's counts (benchmarks/policy_runs.py)
+    "tests/test_policy_runs.py",
 )
 NUMERICS_TESTS = (
     # the exact reciprocal, the exact finite test, narrow and wide dtypes (the hypothesis

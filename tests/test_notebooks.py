@@ -24,7 +24,7 @@ CELL_TIMEOUT_S = 120
 def test_all_notebooks_exist():
     assert [p.name for p in PATHS] == [
         "01_scaler_dynamics.ipynb", "02_mixed_precision_training.ipynb",
-        "03_diagnostics_and_guards.ipynb"]
+        "03_diagnostics_and_guards.ipynb", "04_headroom_and_replay.ipynb"]
 
 
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
