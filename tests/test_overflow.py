@@ -395,7 +395,7 @@ def test_the_readiness_report_on_the_demo_model_sorts_its_layers_by_headroom():
 
     model = demo.MLP(dtype=F16)
     x, y = map(jnp.asarray, demo.make_spirals(32, seed=0))
-    params = model.init(jax.random.key(0), x)["params"]
+    params = jax.jit(model.init)(jax.random.key(0), x)["params"]  # one compile, not 18
     table = ls.float16_report(lambda p, x, y: demo._cross_entropy(model, p, x, y),
                               params, x, y, scale=2.0**15)
     layers = {r.layer for r in table.rows}
@@ -440,7 +440,7 @@ class TinyTransformer(nnx.Module):
 
 
 def test_the_readiness_report_on_a_small_transformer():
-    model = TinyTransformer(nnx.Rngs(0))
+    model = nnx.jit(lambda: TinyTransformer(nnx.Rngs(0)))()  # one compile, not one per init
     tokens = jnp.arange(12).reshape(2, 6) % 6
 
     def loss_fn(model, tokens):
