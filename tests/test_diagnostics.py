@@ -133,13 +133,24 @@ def numpy_fractions(grads: dict, scale: float) -> tuple[list[float], list[float]
     return zero, small
 
 
-@settings(max_examples=8, deadline=None)  # each example compiles two steps (eager: below)
+# Leaf sizes: one entry, a middle one and a large one. They are fixed so that the two jitted
+# steps below compile once for the whole search (the scale is a leaf of the state, not of
+# the step: a new one does not recompile); hypothesis varies the values, the scale and
+# where the zeros are, which is what the fractions depend on.
+UNDERFLOW_SIZES = (1, 57, 299)
+UNDERFLOW_TX = ls.with_loss_scaling(optax.sgd(0.1), ls.StaticLossScale(1.0),
+                                    underflow_diagnostics=True)
+UNDERFLOW_STEPS = (jax.jit(make_step(UNDERFLOW_TX, "fused")),
+                   jax.jit(make_step(UNDERFLOW_TX, "plain")))
+
+
+@settings(max_examples=12, deadline=None)  # (eager: below)
 @given(seed=st.integers(0, 2**31 - 1), exponent=st.integers(0, 24))
 def test_underflow_fractions_match_numpy_on_random_gradients(seed, exponent):
     rng = np.random.default_rng(seed)
     scale = 2.0**exponent
     grads = {}
-    for i, n in enumerate(rng.integers(1, 300, size=3)):
+    for i, n in enumerate(UNDERFLOW_SIZES):
         g = rng.standard_normal(n) * 10.0 ** rng.uniform(-12, 0, n)
         g[rng.random(n) < 0.2] = 0.0
         grads[f"leaf{i}"] = jnp.asarray(g * scale, jnp.float32)
@@ -148,8 +159,9 @@ def test_underflow_fractions_match_numpy_on_random_gradients(seed, exponent):
     params = jax.tree.map(jnp.zeros_like, grads)
     zero, small = numpy_fractions(grads, scale)
     sizes = np.asarray([g.size for g in jax.tree.leaves(grads)], np.float64)
-    for step in (jax.jit(make_step(tx, "fused")), jax.jit(make_step(tx, "plain"))):
+    for step in UNDERFLOW_STEPS:  # compiled for scale 1; this example's scale is in the state
         _, opt_state = step(grads, tx.init(params), params)
+        assert float(ls.get_loss_scale(opt_state).loss_scale) == scale
         m = ls.metrics(opt_state)
         np.testing.assert_allclose(m["zero_grad_fraction_per_leaf"], zero, rtol=1e-6)
         np.testing.assert_allclose(m["small_grad_fraction_per_leaf"], small, rtol=1e-6)

@@ -148,10 +148,16 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
 
 
 def _stats(x: Any) -> Any:
+    return (*_reduce(x), x.size)
+
+
+@jax.jit
+def _reduce(x: Any) -> Any:
+    """One compiled kernel per shape and dtype (eagerly: six, each compiled on its own)."""
     magnitude = jnp.abs(x).astype(jnp.float32)
     magnitude = jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
     return (jnp.max(magnitude), jnp.sum((magnitude > 0) & (magnitude < F16_TINY)),
-            jnp.sum(magnitude == 0), x.size)
+            jnp.sum(magnitude == 0))
 
 
 def _table(records: list[tuple[str, str, str, str, Any]], scale: float) -> Float16Report:

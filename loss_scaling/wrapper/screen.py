@@ -34,8 +34,14 @@ def skip_cond(apply: jax.Array, step: Callable[[Any], Any], skip_step: Callable[
     over, e.g. tensor-parallel updates vary over "model" where the ``-0.0`` of a skip does
     not. Each output is cast to the union of both (``pcast`` to varying: a change of type,
     no communication), so the cond type-checks and the shard_map's ``out_specs`` judge
-    the result. Outside ``shard_map`` this is a plain ``lax.cond``.
+    the result. Outside ``shard_map`` this is a plain ``lax.cond``; with a concrete
+    ``apply`` (eagerly, no trace) the taken branch is called.
     """
+    if not isinstance(apply, jax.core.Tracer):
+        # Called eagerly, lax.cond traces both branches anew and compiles them at every
+        # call (a step cost several compiles); the taken branch, op by op, gives the values
+        # (as arrays, as the conditional returns them).
+        return jax.tree.map(jnp.asarray, step(operands) if bool(apply) else skip_step(operands))
     if not jax.sharding.get_abstract_mesh().manual_axes:
         return lax.cond(apply, step, skip_step, operands)
     stepped, skipped = (jax.eval_shape(f, operands) for f in (step, skip_step))
