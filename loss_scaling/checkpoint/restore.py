@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import optax
 
-import loss_scaling._registry as _registry
+from loss_scaling._registry import hooks as framework_hooks
 from loss_scaling.checkpoint._values import place_like
 from loss_scaling.checkpoint.config import check_same_config, restore_with_config
 from loss_scaling.checkpoint.state_dict import from_state_dict, state_dict
@@ -104,7 +104,7 @@ def replace_loss_scale(state: Any, new: LossScale, path: str | None = None) -> A
     ``new`` (a scalar state), placed in the layout of the leaves it replaces."""
     import loss_scaling
 
-    for hooks in _registry.hooks():  # a framework's own state (a mutable nnx.Optimizer)
+    for hooks in framework_hooks():  # a framework's own state (a mutable nnx.Optimizer)
         if hooks.replace_scale is not None:
             replaced = hooks.replace_scale(state, new, path)
             if replaced is not NotImplemented:
