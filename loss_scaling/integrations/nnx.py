@@ -23,7 +23,7 @@ with ``nnx.value_and_grad`` and a step that the user chose not to apply.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import optax
@@ -241,7 +241,8 @@ def _loss_of_params(model: Any, wrt: Any, graph: bool | None,
                     value_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``value_fn(model)`` as a function of the ``wrt`` arrays (``nnx.as_pure`` of
     ``nnx.state(model, wrt)``): run on a merged copy, so the model itself is untouched."""
-    graphdef, _, rest = nnx.split(model, wrt, ..., graph=graph)
+    # Two filters, so three parts (nnx.split's type says "any length").
+    graphdef, _, rest = cast(Any, nnx.split(model, wrt, ..., graph=graph))
     rest = nnx.as_pure(rest)  # arrays: a Variable of the model cannot enter the replay's trace
     return lambda params: value_fn(nnx.merge(graphdef, params, rest))
 

@@ -92,15 +92,15 @@ def scaled_value_and_grad(value_fn: Callable[..., Any], scaler: Any, params: Any
         return tree.scale(scaler, loss), loss
 
     (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(params)
-    if jax.tree.structure(grads) != jax.tree.structure(like):
-        raise ValueError(OTHER_STRUCTURE.format(got=jax.tree.structure(grads),
-                                                want=jax.tree.structure(like)))
+    got, want = jax.tree.structure(grads), jax.tree.structure(like)
+    if got != want:  # type: ignore[operator]  # PyTreeDef defines ==, jaxlib's stub does not
+        raise ValueError(OTHER_STRUCTURE.format(got=got, want=want))
     return loss, optax.tree.cast_like(grads, like)
 
 
 def replay(options: WrapperOptions, state: LossScalingState, params: Any,
            extra_args: dict[str, Any], decision: Any,
-           decide: Callable[..., Any]) -> tuple[Any, DynamicLossScale, dict[str, Any]]:
+           decide: Callable[..., Any]) -> tuple[Any, Any, dict[str, Any]]:
     """The loop in the module docstring: ``(final decision, its scaler, extra_args)``.
 
     ``decide`` is :func:`~loss_scaling.wrapper.step.decide` (passed in: the step module
@@ -112,15 +112,15 @@ def replay(options: WrapperOptions, state: LossScalingState, params: Any,
     first_grads = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape, g.dtype),
                                decision.grads)
 
-    def more(carry: tuple[Any, DynamicLossScale]) -> jax.Array:
+    def more(carry: tuple[Any, Any]) -> jax.Array:
         last, scaler = carry
-        lowered = scalers.backoff_now(scaler)
+        lowered: DynamicLossScale = scalers.backoff_now(scaler)  # type: ignore[assignment]
         return (~last.grads_finite & last.loss_finite & last.healthy
                 & (last.replays < options.max_replays)
                 & (lowered.failure == Failure.NONE)
                 & (lowered.loss_scale < scaler.loss_scale))
 
-    def again(carry: tuple[Any, DynamicLossScale]) -> tuple[Any, DynamicLossScale]:
+    def again(carry: tuple[Any, Any]) -> tuple[Any, Any]:
         last, scaler = carry
         scaler = scalers.backoff_now(scaler)
         loss, grads = scaled_value_and_grad(value_fn, scaler, params, first_grads)
@@ -130,7 +130,7 @@ def replay(options: WrapperOptions, state: LossScalingState, params: Any,
         new = decide(options, grads, state._replace(scaler=scaler), extra)
         return new._replace(replays=last.replays + 1), scaler
 
-    def replayed(grads: Any) -> tuple[Any, DynamicLossScale]:
+    def replayed(grads: Any) -> tuple[Any, Any]:
         final, scaler = lax.while_loop(more, again, (decision._replace(grads=grads),
                                                      state.scaler))
         # A non-finite loss is the forward pass's fault, not the scale's: skipped as a
@@ -138,7 +138,7 @@ def replay(options: WrapperOptions, state: LossScalingState, params: Any,
         scaler = optax.tree.where(final.loss_finite, scaler, state.scaler)
         return final, scaler
 
-    def kept(grads: Any) -> tuple[Any, DynamicLossScale]:
+    def kept(grads: Any) -> tuple[Any, Any]:
         return decision._replace(grads=grads), state.scaler
 
     # The loop sits in a conditional of its own, ahead of the step's: a healthy step passes
@@ -147,6 +147,11 @@ def replay(options: WrapperOptions, state: LossScalingState, params: Any,
     # replay's read of the params next to the branch that updates them in place made XLA
     # copy params and optimizer state on every step (2.1x at 20M params).
     need = ~decision.grads_finite & decision.loss_finite & decision.healthy
+    if not isinstance(need, jax.core.Tracer) and not need:
+        # Eagerly the conditional runs only the branch taken, so a healthy step would never
+        # call value_fn: check its output here, as a jitted step (which traces both) does.
+        jax.eval_shape(lambda p: scaled_value_and_grad(value_fn, state.scaler, p, first_grads),
+                       params)
     final, scaler = skip_cond(need, replayed, kept, decision.grads)
     if extra_args.get("grad") is not None:
         extra_args = {**extra_args, "grad": final.grads}

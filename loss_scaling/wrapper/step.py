@@ -98,7 +98,7 @@ def _inner_extra_args(options: WrapperOptions, extra_args: dict[str, Any],
                       inverse: numerics.Reciprocal | None) -> dict[str, Any]:
     """The extra arguments for the inner update: ``grad=`` unscaled, ``loss=`` consumed;
     with replay on, ``value_fn=`` (the wrapper's) only for an inner update that takes it."""
-    consumed = CONSUMED_EXTRA_ARGS
+    consumed: tuple[str, ...] = CONSUMED_EXTRA_ARGS
     if options.max_replays and not replay.inner_takes_value_fn(options.inner):
         consumed += (REPLAY_EXTRA_ARG,)
     return {name: _unscale(value, inverse) if name in GRADIENT_EXTRA_ARGS else value
