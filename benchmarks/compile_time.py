@@ -10,6 +10,13 @@ nearest relative).
 
     python benchmarks/compile_time.py                        # 200, 1000 and 2000 leaves
     python benchmarks/compile_time.py --leaves 200 --rounds 5
+    python benchmarks/compile_time.py --leaves 200 1000 --floors  # the minimal guards too
+
+``--floors`` adds the least a guarded step can be, written by hand: one sum-of-squares
+screen of all the gradients concatenated and one ``lax.cond`` around bare Adam, then the
+same with the gradients unscaled inside the branch by one multiply per leaf, and by two
+(the exact reciprocal of ``loss_scaling.core.numerics``: ``normal * post``). They bound
+from below what any loss-scaling wrapper compiles in: no per-leaf flags, no state.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import loss_scaling as ls
 Step = Callable[[Any, Any, Any], tuple[Any, Any]]
 
 
-def variants(inner: optax.GradientTransformation) -> dict[str, tuple[Step, Callable]]:
+def variants(inner: optax.GradientTransformation,
+             floors: bool = False) -> dict[str, tuple[Step, Callable]]:
     def bare(params, opt_state, grads):
         updates, opt_state = inner.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
@@ -49,10 +57,39 @@ def variants(inner: optax.GradientTransformation) -> dict[str, tuple[Step, Calla
         updates, opt_state = guarded.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    return {"bare optax.adam": (bare, inner.init),
+    table = {"bare optax.adam": (bare, inner.init),
             "fused (ls.apply_gradients)": (fused, tx.init),
             "plain (tx.update + apply_updates)": (plain, tx.init),
             "optax.apply_if_finite": (if_finite, guarded.init)}
+    if floors:
+        table.update({name: (floor(factors), inner.init) for name, factors in
+                      [("floor: screen + cond", 0), ("floor + unscale (1 multiply)", 1),
+                       ("floor + unscale (2 multiplies)", 2)]})
+    return table
+
+
+def floor(factors: int) -> Step:
+    """The minimal guarded Adam step: one screen, one cond, ``factors`` multiplies per leaf
+    (by scalars read from the gradients, so XLA cannot fold them)."""
+    inner = optax.adam(1e-3)
+
+    def step(params, opt_state, grads):
+        leaves = jax.tree.leaves(grads)
+        joined = jax.lax.optimization_barrier(jnp.concatenate([g.ravel() for g in leaves]))
+        finite = jnp.isfinite(jnp.sum(jnp.square(joined)))
+        scalars = [1.0 / leaves[0][0, i] for i in range(factors)]
+
+        def apply(operands):
+            params, opt_state, grads = operands
+            for x in scalars:
+                grads = jax.tree.map(lambda g, x=x: g * x, grads)
+            updates, opt_state = inner.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return jax.lax.cond(finite, apply, lambda ops: (ops[0], ops[1]),
+                            (params, opt_state, grads))
+
+    return step
 
 
 def compile_once(step: Step, init: Callable, params: Any) -> tuple[float, float]:
@@ -66,10 +103,11 @@ def compile_once(step: Step, init: Callable, params: Any) -> tuple[float, float]
     return traced - start, time.perf_counter() - traced
 
 
-def measure(leaves: int, rounds: int) -> dict[str, list[tuple[float, float]]]:
+def measure(leaves: int, rounds: int,
+            floors: bool = False) -> dict[str, list[tuple[float, float]]]:
     params = {f"leaf_{i:04d}": jax.ShapeDtypeStruct((16, 33), jnp.float32)
               for i in range(leaves)}
-    table = variants(optax.adam(1e-3))
+    table = variants(optax.adam(1e-3), floors)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in table}
     for _ in range(rounds):
         for name, (step, init) in table.items():
@@ -97,10 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--leaves", type=int, nargs="+", default=[200, 1000, 2000])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--floors", action="store_true",
+                        help="also the minimal hand-written guarded steps")
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}")
     for leaves in args.leaves:
-        print(report(leaves, measure(leaves, args.rounds)), flush=True)
+        print(report(leaves, measure(leaves, args.rounds, args.floors)), flush=True)
         print()
 
 
