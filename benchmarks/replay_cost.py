@@ -4,12 +4,13 @@ Each variant is one whole jitted train step ``(params, opt_state, x) -> (params,
 opt_state)``: ``ls.value_and_grad`` of a float16 loss, then the fused
 ``ls.apply_gradients`` with Adam, params and optimizer state donated. The loss is as cheap
 as a loss can be (``sum(f16(p) * f16(x))`` per leaf, summed in float32: one read of the
-params forward, one write of the gradients backward), so the step is mostly the optimizer's and the ratio is
-the harshest one. Variants run interleaved, round after round; the table reports each
-one's median time per step as a ratio to the default fused step (``max_replays=0``), one
-step per ``block_until_ready`` and pipelined, plus the XLA temp bytes and the compile time
-(the replaying step holds the forward and backward pass twice: the user's, and the
-replay's inside a ``lax.while_loop`` that a healthy step does not enter).
+params forward, one write of the gradients backward), so the step is mostly the
+optimizer's and the ratio is the harshest one. Variants run interleaved, round after
+round; the table reports each one's median time per step as a ratio to the default fused
+step (``max_replays=0``), one step per ``block_until_ready`` and pipelined, plus the XLA
+temp bytes and the compile time (the replaying step holds the forward and backward pass
+twice: the user's, and the replay's inside a ``lax.while_loop`` that a healthy step does
+not enter).
 
     python benchmarks/replay_cost.py                         # 20M params, 40 leaves
     python benchmarks/replay_cost.py --params 4e3 --steps 50  # dispatch-bound

@@ -91,9 +91,10 @@ def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None, axis_name: Ax
     there the max is a second read with its own collective, under a conditional that
     runs it only on the steps that record it (and are finite); a model of small leaves
     only, where the conditional costs more than the read, reads it on every step. On the
-    other steps it is 0, which the rule ignores (:func:`loss_scaling.core.update.records_max`). A square that
-    overflows float32 (an entry above 1.8e19) reads inf, which the rule treats as no
-    room to grow: right, since such a gradient leaves none in float16 either.
+    other steps it is 0, which the rule ignores
+    (:func:`loss_scaling.core.update.records_max`). A square that overflows float32 (an
+    entry above 1.8e19) reads inf, which the rule treats as no room to grow: right, since
+    such a gradient leaves none in float16 either.
 
     On XLA CPU a plain sum (of squares) is a vectorized read, while a reduction with the
     unscale or ``abs`` as its producer runs about three times slower (benchmarks/
