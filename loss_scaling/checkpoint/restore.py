@@ -14,6 +14,7 @@ from loss_scaling.checkpoint._values import place_like
 from loss_scaling.checkpoint.config import check_same_config, restore_with_config
 from loss_scaling.checkpoint.state_dict import from_state_dict, state_dict
 from loss_scaling.core.scalers import LossScale
+from loss_scaling.lookup import get_loss_scale
 from loss_scaling.wrapper.state import LossScalingState
 
 
@@ -83,9 +84,7 @@ def restore_loss_scale(
       >>> float(s.loss_scale), int(s.growth_tracker), s.growth_interval
       (256.0, 1, 100)
     """
-    import loss_scaling  # for get_loss_scale, whichever module defines it
-
-    target = loss_scaling.get_loss_scale(state, path)  # clear errors for none or several
+    target = get_loss_scale(state, path)  # clear errors for none or several
     return replace_loss_scale(state, resolve(saved, target, adopt_config=adopt_config), path)
 
 
@@ -102,14 +101,12 @@ def resolve(saved: LossScale | Mapping[str, Any], target: LossScale, *,
 def replace_loss_scale(state: Any, new: LossScale, path: str | None = None) -> Any:
     """``state`` with the loss scale ``get_loss_scale(state, path)`` picks replaced by
     ``new`` (a scalar state), placed in the layout of the leaves it replaces."""
-    import loss_scaling
-
     for hooks in framework_hooks():  # a framework's own state (a mutable nnx.Optimizer)
         if hooks.replace_scale is not None:
             replaced = hooks.replace_scale(state, new, path)
             if replaced is not NotImplemented:
                 return replaced
-    target = loss_scaling.get_loss_scale(state, path)
+    target = get_loss_scale(state, path)
     target_leaves = jax.tree.leaves(target)
     if not target_leaves:  # a NoOpLossScale: nothing to restore
         return state
@@ -131,7 +128,7 @@ def replace_loss_scale(state: Any, new: LossScale, path: str | None = None) -> A
     new = jax.tree.map(place_like, new, target)
     out = optax.tree_utils.tree_set(
         state, is_target, LossScalingState=found[0][1]._replace(scaler=new))
-    if any(a is not b for a, b in zip(jax.tree.leaves(loss_scaling.get_loss_scale(out, path)),
+    if any(a is not b for a, b in zip(jax.tree.leaves(get_loss_scale(out, path)),
                                       jax.tree.leaves(new), strict=True)):
         # optax.tree_utils.tree_set does not reach a wrapper inside another's inner state.
         raise ValueError(

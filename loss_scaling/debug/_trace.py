@@ -243,9 +243,7 @@ def run(p: Problem, visit: Visitor) -> None:
 
 def library_dirs() -> list[str]:
     """Directories whose frames are not the user's: the frameworks and this library."""
-    import loss_scaling
-
-    package = os.path.dirname(loss_scaling.__file__)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # loss_scaling/
     dirs = [os.path.join(package, "debug") + os.sep]
     dirs += [os.path.join(package, name) for name in sorted(os.listdir(package))
              if name.endswith(".py") and name != "demo.py"]  # the demo's model is user code

@@ -42,7 +42,7 @@ from loss_scaling.core.scalers import (
     StaticLossScale,
 )
 from loss_scaling.grad import WRONG_FIRST_ARGUMENT, scaler_of_state, split_loss_and_aux
-from loss_scaling.lookup import refuse_wrapper_inside_multisteps
+from loss_scaling.lookup import get_loss_scale, refuse_wrapper_inside_multisteps
 from loss_scaling.wrapper.state import LossScalingState, UnderflowStats
 from loss_scaling.wrapper.transform import apply_gradients
 
@@ -318,14 +318,12 @@ def _scaler_from_mapping(node: Any) -> LossScale:
 def replace_scale(state: Any, new: LossScale, path: str | None) -> Any:
     """``replace_loss_scale`` for an ``nnx.Optimizer`` (in place) or a state holding
     ``nnx.Variable``s; ``NotImplemented`` for anything else."""
-    import loss_scaling
-
     is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     if not isinstance(state, nnx.Optimizer) and not any(
             map(is_variable, jax.tree.leaves(state, is_leaf=is_variable))):
         return NotImplemented
 
-    target = loss_scaling.get_loss_scale(state, path)  # clear errors for none or several
+    target = get_loss_scale(state, path)  # clear errors for none or several
     # get_loss_scale returns the values the Variables hold: they identify the Variables.
     holder = state.opt_state if isinstance(state, nnx.Optimizer) else state
     variables = jax.tree.leaves(holder, is_leaf=is_variable)
