@@ -11,13 +11,14 @@
   in ``(2**126, 2**128)`` has ``e - 127`` equal to 126 or 127, i.e. ``e`` is 253 or 254.
   The subnormal ``r`` is an integer multiple of the smallest subnormal 2**-149:
   ``r = round(2**149 / scale) * 2**-149 = round(2**(299 - e) / m) * 2**-149``, the
-  quotient ``q = round(2**46 / m)`` (e = 253) or ``round(2**45 / m)`` (e = 254),
-  rounded once to nearest-even by integer long division (:func:`_rounded_quotient`),
-  never twice. ``q`` lies in ``[2**21, 2**23]``, so ``normal = r * 2**64 = q * 2**-85``
-  (an integer below 2**24 times a power of two: exact, and normal), and ``post =
-  2**-64``. ``(x * normal) * post`` is then ``round(x * q * 2**-85) * 2**-64``, which
-  equals ``round(x * r)`` whenever the result is normal, since multiplying by a power of
-  two between normal numbers commutes with rounding. So ``unscale`` gives PyTorch's bits
+  quotient ``q = round(2**46 / m)`` (e = 253) or ``round(2**45 / m) = round(2**46 /
+  (2 * m))`` (e = 254), computed by integer long division (:func:`_rounded_quotient`),
+  so rounded once, never twice (and never a tie: see there). ``q`` lies in ``[2**21,
+  2**23]``, so ``normal = r * 2**64 = q * 2**-85`` (an integer below 2**24 times a
+  power of two: exact, and normal), and ``post = 2**-64``. ``(x * normal) * post`` is
+  then ``round(x * q * 2**-85) * 2**-64``, which equals ``round(x * r)`` whenever the
+  result is normal, since multiplying by a power of two between normal numbers commutes
+  with rounding. So ``unscale`` gives PyTorch's bits
   wherever the result is a normal number. Both factors are at most 1.
 * **Finiteness** (:func:`unscaled_finite_leaves`): the definition is
   ``all(isfinite(unscale_leaf(x)))`` per leaf, read in one fused reduction: a sum of
@@ -38,10 +39,15 @@
   nothing and the exact test runs.
 * **Leaf groups** (:func:`leaf_groups`): on XLA CPU every kernel costs about a
   microsecond per run, so small leaves of one dtype are concatenated and tested together.
+* **Compile time**: XLA CPU compiles each distinct kernel on its own, so the step keeps
+  their number down: the reciprocal's two factors are one array, a joined group's exact
+  test reduces one matrix per leaf size, and AND-reductions are int8 mins (an AND is
+  rewritten into a tree of kernels). ``benchmarks/compile_time.py`` measures it.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -53,6 +59,7 @@ from jax import lax
 AxisName = str | Sequence[str] | None
 
 _F32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126
+_F32_MAX = float(np.finfo(np.float32).max)
 _SPLIT = 2.0**64  # moves a subnormal float32 reciprocal into the normal range, exactly
 
 
@@ -99,53 +106,59 @@ class Reciprocal(NamedTuple):
     float32, because multiplying by a power of two between normal numbers is exact.
     ``normal`` is computed from the scale's bits by an integer division, so it is ``r``'s
     exact value rounded once (to nearest, ties to even), never a twice-rounded one.
+
+    Both factors live in one array, ``factors[..., 0]`` and ``factors[..., 1]``: on XLA
+    CPU every scalar a kernel materializes (e.g. to pass it into a conditional) is a
+    kernel to compile, while a slice read by its consumer is fused into it.
     """
 
-    normal: jax.Array
-    post: jax.Array
+    factors: jax.Array
+
+    @property
+    def normal(self) -> jax.Array:
+        return self.factors[..., 0]
+
+    @property
+    def post(self) -> jax.Array:
+        return self.factors[..., 1]
 
 
-def _rounded_quotient(shift: int, mantissa: jax.Array) -> jax.Array:
-    """``round(2**shift / mantissa)`` to nearest, ties to even, in int32 arithmetic.
+def _rounded_quotient(divisor: jax.Array) -> jax.Array:
+    """``round(2**46 / divisor)`` for an int32 ``divisor`` in [2**23, 2**25), in int32.
 
-    ``mantissa`` lies in [2**23, 2**24); long division seven bits at a time keeps every
-    intermediate below 2**31. ``shift`` is 45 or 46, so the quotient is below 2**24.
+    Long division: the first digit from 2**24, then 6, 6, 6 and 4 bits (24 + 22 = 46), so
+    a remainder (below the divisor) shifted left stays below 2**31. The quotient is never
+    a tie: a remainder of exactly half the divisor would make the divisor divide 2**47,
+    a power of two, and then the division is exact. So it rounds up iff twice the
+    remainder reaches the divisor.
     """
-    remainder = jnp.full_like(mantissa, 2**23)
-    quotient = remainder // mantissa
-    remainder = remainder - quotient * mantissa
-    bits = shift - 23
-    while bits:
-        step = min(7, bits)
-        remainder = remainder << step
-        digit = remainder // mantissa
-        quotient = (quotient << step) | digit
-        remainder = remainder - digit * mantissa
-        bits -= step
-    twice = remainder * 2
-    round_up = (twice > mantissa) | ((twice == mantissa) & ((quotient & 1) == 1))
-    return quotient + round_up.astype(quotient.dtype)
+    start = jnp.full_like(divisor, 2**24)
+    quotient, remainder = lax.div(start, divisor), lax.rem(start, divisor)
+    for bits in (6, 6, 6, 4):
+        shifted = lax.shift_left(remainder, jnp.full_like(divisor, bits))
+        quotient = lax.shift_left(quotient, jnp.full_like(divisor, bits)) | lax.div(
+            shifted, divisor)
+        remainder = lax.rem(shifted, divisor)
+    return quotient + (remainder + remainder >= divisor).astype(quotient.dtype)
 
 
 def reciprocal(scale: jax.Array) -> Reciprocal:
     """The float32 reciprocal of ``scale`` as a :class:`Reciprocal` (no subnormal in it)."""
     scale = jnp.asarray(scale, jnp.float32)
-    direct = 1 / scale
     bits = lax.bitcast_convert_type(scale, jnp.int32)
     mantissa = (bits & 0x7FFFFF) | 0x800000
-    biased_exponent = (bits >> 23) & 0xFF
-    # The derivation is in the module docstring: scale = m * 2**(e - 150), e in {253, 254}
-    # where r is subnormal, r = round(2**(299 - e) / m) * 2**-149 = q * 2**-149.
-    quotient = jnp.where(biased_exponent == 254, _rounded_quotient(45, mantissa),
-                         _rounded_quotient(46, mantissa))
+    # The derivation is in the module docstring: where r is subnormal, the biased exponent
+    # e is 253 or 254 and r * 2**149 = round(2**(299 - e) / m) = round(2**46 / divisor)
+    # with divisor = m for e = 253 (odd) and 2 * m for e = 254 (even).
+    even_exponent = lax.shift_right_logical(bits, jnp.int32(23)) & 1 ^ 1
+    quotient = _rounded_quotient(lax.shift_left(mantissa, even_exponent))
     lifted = quotient.astype(jnp.float32) * jnp.float32(2.0**-85)  # r * 2**64, exact
-    subnormal = (scale > _F32_TINY**-1) & jnp.isfinite(scale)
-    normal = jnp.where(subnormal, lifted, direct)
+    subnormal = (scale > _F32_TINY**-1) & (scale <= _F32_MAX)
+    normal = lax.select(subnormal, lifted, 1 / scale)
     post = jnp.where(subnormal, jnp.float32(1 / _SPLIT), jnp.float32(1.0))
     # A barrier keeps XLA from folding (x * normal) * post into x * (normal * post) when
     # the scale is a compile-time constant: that product is the subnormal we avoid.
-    normal, post = lax.optimization_barrier((normal, post))
-    return Reciprocal(normal, post)
+    return Reciprocal(lax.optimization_barrier(jnp.stack([normal, post], axis=-1)))
 
 
 def unscale_leaf(x: jax.Array, inverse: Reciprocal, cast_back: bool = True) -> jax.Array:
@@ -155,20 +168,31 @@ def unscale_leaf(x: jax.Array, inverse: Reciprocal, cast_back: bool = True) -> j
     leaf's dtype (unless ``cast_back=False``); the finite test and the wrapper's unscale
     share this function, so they agree on every input.
     """
+    return _times(x, inverse.normal, inverse.post, cast_back)
+
+
+def _times(x: Any, normal: jax.Array, post: jax.Array, cast_back: bool) -> jax.Array:
+    """:func:`unscale_leaf` by the two factors, taken out of the :class:`Reciprocal` once
+    per tree (the step traces this once per leaf: ``lax`` calls keep that cheap)."""
     x = jnp.asarray(x)
     compute = compute_dtype(x.dtype)
     dtype = _real_dtype(x.dtype) if cast_back else compute
     if compute == jnp.float64:
         # float64 keeps the float32 reciprocal's exact value (normal in float64).
-        factor = inverse.normal.astype(compute) * inverse.post.astype(compute)
+        factor = normal.astype(compute) * post.astype(compute)
         return _per_part(x, lambda part: part * factor)
-    return _per_part(
-        x, lambda part: ((part.astype(compute) * inverse.normal) * inverse.post).astype(dtype))
+
+    def part_times(part: jax.Array) -> jax.Array:
+        product = lax.mul(lax.mul(lax.convert_element_type(part, compute), normal), post)
+        return lax.convert_element_type(product, dtype)
+
+    return _per_part(x, part_times)
 
 
 def unscale_tree(tree: Any, inverse: Reciprocal) -> Any:
     """Every floating leaf of ``tree`` times the reciprocal (:func:`unscale_leaf`)."""
-    return jax.tree.map(lambda x: unscale_leaf(x, inverse) if is_floating(x) else x, tree)
+    normal, post = inverse.normal, inverse.post
+    return jax.tree.map(lambda x: _times(x, normal, post, True) if is_floating(x) else x, tree)
 
 
 def _and_over_axes(flags: jax.Array, axis_name: AxisName) -> jax.Array:
@@ -210,13 +234,10 @@ def unscaled_finite_leaves(
     """Per floating leaf, whether :func:`unscale` of it (by the ``inverse`` of the scale,
     from :func:`reciprocal`) is all finite.
 
-    The test is the definition itself, ``all(isfinite(unscale_leaf(x)))``, read from the
-    raw (scaled) values in one fused reduction per leaf: the unscaled tree is never
-    materialized. The reduction is a sum of magnitudes shrunk so that finite entries can
-    never overflow it (:func:`_bounded_sum`): exact, NaN-safe across devices, and fused on
-    CPU. The ``axis_name`` collective is a ``pmin`` of one int32 per leaf.
-
-    ``inverse=None`` (no scaling) tests the leaves as they are.
+    The definition itself, ``all(isfinite(unscale_leaf(x)))``, read from the scaled
+    values in one fused reduction per leaf (:func:`_bounded_sum`): the unscaled tree is
+    never materialized. ``inverse=None`` (no scaling) tests the leaves as they are; the
+    ``axis_name`` collective is a ``pmin`` of one int32 per leaf.
 
     Returns:
       ``(flags, finite)``: a bool vector with one entry per leaf of ``tree``, in
@@ -273,22 +294,32 @@ def leaf_groups(leaves: Sequence[Any]) -> list[LeafGroup]:
     and empty leaves are in no group (always finite).
     """
     groups: list[LeafGroup] = []
-    open_groups: dict[Any, list[int]] = {}
+    open_groups: dict[Any, tuple[list[int], list[int]]] = {}  # key -> (members, entries)
     for i, x in enumerate(leaves):
-        if not is_floating(x) or not jnp.size(x):
+        size = int(np.size(x))
+        if not is_floating(x) or not size:
             continue
-        if jnp.size(x) > SMALL_LEAF or _sharded_in_type(x):
+        if size > SMALL_LEAF or _sharded_in_type(x):
             groups.append(LeafGroup((i,), joined=False))
             continue
         # One dtype, and under shard_map one set of varying axes: a group's sum of squares
         # is then a whole leaf's or a shard's, never a mix (see the gradient norm).
-        members = open_groups.setdefault((jnp.result_type(x), varying_axes(x)), [])
-        if sum(jnp.size(leaves[j]) for j in members) + jnp.size(x) > GROUP_ENTRIES:
-            groups.append(LeafGroup(tuple(members), joined=True))
+        members, entries = open_groups.setdefault(
+            (jnp.result_type(x), varying_axes(x)), ([], [0]))
+        if entries[0] + size > GROUP_ENTRIES:
+            groups.append(_joined_group(leaves, members))
             members.clear()
+            entries[0] = 0
         members.append(i)
-    groups.extend(LeafGroup(tuple(m), joined=True) for m in open_groups.values() if m)
+        entries[0] += size
+    groups.extend(_joined_group(leaves, m) for m, _ in open_groups.values() if m)
     return groups
+
+
+def _joined_group(leaves: Sequence[Any], members: list[int]) -> LeafGroup:
+    """A joined group, its leaves ordered by size: leaves of one size are then adjacent,
+    and the exact test reads each such run as one matrix (:func:`unscaled_group_finite`)."""
+    return LeafGroup(tuple(sorted(members, key=lambda i: int(np.size(leaves[i])))), True)
 
 
 def leaf_order(groups: Sequence[LeafGroup], n: int) -> tuple[int, np.ndarray | None]:
@@ -301,20 +332,22 @@ def leaf_order(groups: Sequence[LeafGroup], n: int) -> tuple[int, np.ndarray | N
         None if np.array_equal(permutation, np.arange(n)) else permutation)
 
 
-def _joined(leaves: Sequence[Any], group: LeafGroup) -> jax.Array:
-    """The group's leaves as one vector: the leaf itself, or a concatenated copy.
+def group_vector(leaves: Sequence[Any], group: LeafGroup) -> jax.Array:
+    """The group's leaves as one array: the leaf itself, or a concatenated copy.
 
-    The barrier keeps XLA from splitting a reduction of the concatenation back into one
-    reduction per leaf, which is what the group is there to avoid.
+    Made once per step and read by the screen, the exact test and the max. The barrier
+    keeps XLA from splitting a reduction of the concatenation back into one reduction
+    per leaf, which is what the group is there to avoid.
     """
     if not group.joined:
         return jnp.asarray(leaves[group.indices[0]])
-    joined = jnp.concatenate([jnp.ravel(jnp.asarray(leaves[i])) for i in group.indices])
-    return lax.optimization_barrier(joined)
+    parts = [lax.reshape(jnp.asarray(leaves[i]), (int(np.size(leaves[i])),))
+             for i in group.indices]
+    return lax.optimization_barrier(lax.concatenate(parts, 0))
 
 
-def sum_screen(leaves: Sequence[Any], group: LeafGroup) -> jax.Array:
-    """The sum of squares of the group's leaves (a scalar, float32 or float64): finite
+def sum_screen(vector: jax.Array) -> jax.Array:
+    """The sum of squares of a group's vector (a scalar, float32 or float64): finite
     only if every entry is, so it screens them for inf and NaN; it also gives the norm.
 
     An inf or NaN entry makes the sum inf or NaN, so a finite sum proves every entry
@@ -322,9 +355,9 @@ def sum_screen(leaves: Sequence[Any], group: LeafGroup) -> jax.Array:
     On XLA CPU it is one vectorized read of the leaves, as a plain sum is. Complex
     entries count ``re**2 + im**2``.
     """
-    x = _joined(leaves, group)
-    compute = compute_dtype(x.dtype)
-    parts = [jnp.real(x), jnp.imag(x)] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
+    compute = compute_dtype(vector.dtype)
+    parts = ([jnp.real(vector), jnp.imag(vector)]
+             if jnp.issubdtype(vector.dtype, jnp.complexfloating) else [vector])
     return sum((jnp.sum(jnp.square(p.astype(compute)), dtype=compute) for p in parts),
                jnp.zeros((), compute))
 
@@ -333,68 +366,34 @@ def square_sum(x: Any) -> jax.Array:
     """``sum(|x|**2)`` of one floating leaf in its compute dtype (0 for other leaves)."""
     if not is_floating(x) or not jnp.size(x):
         return jnp.zeros((), jnp.float32)
-    return sum_screen([x], LeafGroup((0,), joined=False))
+    return sum_screen(jnp.asarray(x))
 
 
-def unscaled_group_finite(leaves: Sequence[Any], group: LeafGroup,
+def all_rows(flags: jax.Array) -> jax.Array:
+    """``flags.all(axis=-1)`` as a min of int8: on XLA CPU a boolean AND-reduction is
+    rewritten into a tree of reduce-windows, each a kernel to compile; a min is one."""
+    return jnp.min(flags.astype(jnp.int8), axis=-1) == 1
+
+
+def unscaled_group_finite(vector: jax.Array, sizes: Sequence[int] | None,
                           inverse: Reciprocal | None) -> jax.Array:
-    """Per leaf of the group, :func:`unscaled_leaf_finite` (a bool vector).
+    """Per leaf of a group, :func:`unscaled_leaf_finite` (a bool vector), from the
+    group's :func:`group_vector` and, for a joined group, its leaves' sizes in order
+    (``None`` for one leaf read in place).
 
     A large leaf is one fused reduction; a joined group is unscaled element by element
-    (one dtype, so exactly as each leaf alone) and its flags gathered per leaf by a
-    segment reduction: a few kernels for any number of small leaves.
+    (one dtype, so exactly as each leaf alone), and each run of leaves of one size (the
+    group is ordered by size) is reduced as a matrix, one row per leaf: a few kernels for
+    any number of small leaves, and a program that grows with the number of sizes, not
+    of leaves.
     """
-    if not group.joined:
-        return unscaled_leaf_finite(leaves[group.indices[0]], inverse)[None]
-    joined = _joined(leaves, group)
-    finite = jnp.isfinite(joined if inverse is None else unscale_leaf(joined, inverse))
-    sizes = [jnp.size(leaves[i]) for i in group.indices]
-    segments = jnp.asarray(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes))
-    return jax.ops.segment_min(finite.astype(jnp.int32), segments, len(sizes),
-                               indices_are_sorted=True) == 1
-
-
-# ------------------------------------------------------------- the norm, over replicas
-
-
-def replica_square_sum(sums: Sequence[jax.Array], axis_name: AxisName) -> jax.Array:
-    """The float32 total of per-group (or per-leaf) sums of squares, for the norm.
-
-    Under ``shard_map`` a sum that varies over some of the ``axis_name`` axes is a shard's
-    part of a leaf split over them (tensor parallelism): those parts add up (``psum``),
-    while a sum invariant over an axis is already the whole leaf's (replicated, e.g.
-    ``pmean``-ed, gradients; :func:`leaf_groups` never joins the two kinds).
-    """
-    names = _axis_names(axis_name)
-    total = jnp.zeros((), jnp.float32)
-    for part in sums:
-        part = part.astype(jnp.float32)
-        split = tuple(a for a in names if a in varying_axes(part))
-        total = total + (lax.psum(part, split) if split else part)
-    return total
-
-
-def _axis_names(axis_name: AxisName) -> tuple[Any, ...]:
-    if axis_name is None:
-        return ()
-    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-
-
-def agree(flags: jax.Array, squares: jax.Array, axis_name: AxisName,
-          peak: jax.Array | None = None) -> tuple[jax.Array, ...]:
-    """Flags ANDed, and the sum of squares made one value, over the replicas: ONE ``pmin``.
-
-    ``pmin(-x)`` is ``-pmax(x)``: where JAX does not track what varies (``pmap``,
-    ``check_vma=False``) the replicas' gradients are taken to be the same, and the largest
-    sum (an inf on one replica reaches all) is the one every replica reports. A NaN sum
-    reads +inf first: the min of an all-reduce need not propagate NaN, and the norm of
-    non-finite gradients is then inf on every path and device. A ``peak`` (the largest
-    squared entry, headroom growth) rides in the same ``pmin``: ``(flags, squares, peak)``.
-    """
-    maxima = [jnp.where(jnp.isnan(x), jnp.inf, x) for x in (squares, peak) if x is not None]
-    if axis_name is None:
-        return (flags, *maxima)
-    every = lax.pmin(jnp.concatenate([flags.astype(jnp.float32), *(-x[None] for x in maxima)]),
-                     axis_name)
-    n = flags.shape[0]
-    return (every[:n] == 1, *(-every[n + i] for i in range(len(maxima))))
+    if sizes is None:
+        return unscaled_leaf_finite(vector, inverse)[None]
+    finite = jnp.isfinite(vector if inverse is None else unscale_leaf(vector, inverse))
+    flags, start = [], 0
+    for size, run in itertools.groupby(sizes):
+        count = len(list(run))
+        block = lax.slice(finite, (start,), (start + count * size,))
+        flags.append(all_rows(block.reshape(count, size)))
+        start += count * size
+    return jnp.concatenate(flags)

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from loss_scaling.core import numerics
@@ -54,10 +55,55 @@ def skip_cond(apply: jax.Array, step: Callable[[Any], Any], skip_step: Callable[
 
 
 
-def group_square_peak(leaves: Sequence[Any], group: numerics.LeafGroup) -> jax.Array:
-    """The largest ``|x|**2`` of the group's leaves as float32 (complex: ``re**2 +
+# ------------------------------------------------------------- the norm, over replicas
+
+
+def replica_square_sum(sums: Sequence[jax.Array], axis_name: AxisName) -> jax.Array:
+    """The float32 total of per-group (or per-leaf) sums of squares, for the norm.
+
+    Under ``shard_map`` a sum that varies over some of the ``axis_name`` axes is a shard's
+    part of a leaf split over them (tensor parallelism): those parts add up (``psum``),
+    while a sum invariant over an axis is already the whole leaf's (replicated, e.g.
+    ``pmean``-ed, gradients; :func:`leaf_groups` never joins the two kinds).
+    """
+    names = _axis_names(axis_name)
+    total = jnp.zeros((), jnp.float32)
+    for part in sums:
+        part = part.astype(jnp.float32)
+        split = tuple(a for a in names if a in _varying_axes(part))
+        total = total + (lax.psum(part, split) if split else part)
+    return total
+
+
+def _axis_names(axis_name: AxisName) -> tuple[Any, ...]:
+    if axis_name is None:
+        return ()
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def agree(flags: jax.Array, squares: jax.Array, axis_name: AxisName,
+          peak: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    """Flags ANDed, and the sum of squares made one value, over the replicas: ONE ``pmin``.
+
+    ``pmin(-x)`` is ``-pmax(x)``: where JAX does not track what varies (``pmap``,
+    ``check_vma=False``) the replicas' gradients are taken to be the same, and the largest
+    sum (an inf on one replica reaches all) is the one every replica reports. A NaN sum
+    reads +inf first: the min of an all-reduce need not propagate NaN, and the norm of
+    non-finite gradients is then inf on every path and device. A ``peak`` (the largest
+    squared entry, headroom growth) rides in the same ``pmin``: ``(flags, squares, peak)``.
+    """
+    maxima = [jnp.where(jnp.isnan(x), jnp.inf, x) for x in (squares, peak) if x is not None]
+    if axis_name is None:
+        return (flags, *maxima)
+    every = lax.pmin(jnp.concatenate([flags.astype(jnp.float32), *(-x[None] for x in maxima)]),
+                     axis_name)
+    n = flags.shape[0]
+    return (every[:n] == 1, *(-every[n + i] for i in range(len(maxima))))
+
+
+def group_square_peak(x: jax.Array) -> jax.Array:
+    """The largest ``|x|**2`` of a group's vector as float32 (complex: ``re**2 +
     im**2``); its square root is their max |entry|."""
-    x = numerics._joined(leaves, group)
     compute = numerics.compute_dtype(x.dtype)
     parts = [jnp.real(x), jnp.imag(x)] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
     return jnp.max(sum(jnp.square(p.astype(compute)) for p in parts)).astype(jnp.float32)
@@ -67,7 +113,7 @@ def square_peak(x: Any) -> jax.Array:
     """``max(|x|**2)`` of one floating leaf as float32 (0 for other and empty leaves)."""
     if not numerics.is_floating(x) or not jnp.size(x):
         return jnp.zeros((), jnp.float32)
-    return group_square_peak([x], numerics.LeafGroup((0,), joined=False))
+    return group_square_peak(jnp.asarray(x))
 
 
 def _peak(peaks: list[jax.Array]) -> jax.Array:
@@ -117,38 +163,17 @@ def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None, axis_name: Ax
     small_reciprocal = jnp.asarray(True)
     if inverse is not None:
         small_reciprocal = (inverse.normal <= 1) | (inverse.post < 1)
-    sums = [numerics.sum_screen(leaves, group) for group in groups]
+    vectors = [numerics.group_vector(leaves, group) for group in groups]
+    sums = [numerics.sum_screen(vector) for vector in vectors]
     cleared = [jnp.isfinite(x) & small_reciprocal for x in sums]
     # The branch must be the same on every replica: one collective for it and the norm.
-    all_cleared, squares = numerics.agree(
-        jnp.stack(cleared).all()[None], numerics.replica_square_sum(sums, axis_name),
+    all_cleared, squares = agree(
+        numerics.all_rows(jnp.stack(cleared))[None], replica_square_sum(sums, axis_name),
         axis_name)
     all_cleared = all_cleared[0]
 
-    def group_exact(ok: jax.Array, group: numerics.LeafGroup) -> jax.Array:
-        def recheck(_: Any) -> jax.Array:
-            return numerics.unscaled_group_finite(leaves, group, inverse)
-
-        if group.joined:  # a few small kernels: cheaper than a conditional around them
-            return recheck(None)
-        # A large leaf is read again only if the screen did not clear it: a skipped step
-        # rereads about what overflowed, not the whole model.
-        return skip_cond(ok, lambda _: jnp.ones((1,), jnp.bool_), recheck, None)
-
-    # The groups' flags concatenated and put in leaf order by one static permutation:
-    # per-leaf slices and a stack cost a few equations per leaf to compile.
-    ungrouped, permutation = numerics.leaf_order(groups, len(leaves))
-
     def exact(_: Any) -> tuple[jax.Array, jax.Array]:
-        parts = [group_exact(ok, group) for ok, group in zip(cleared, groups, strict=True)]
-        if ungrouped:  # integer, bool and empty leaves: always finite
-            parts.append(jnp.ones((ungrouped,), jnp.bool_))
-        stacked = jnp.concatenate(parts)
-        if permutation is not None:
-            stacked = stacked[permutation]
-        if axis_name is not None:
-            stacked = lax.pmin(stacked.astype(jnp.int32), axis_name) == 1
-        return stacked, stacked.all()
+        return _exact_flags(leaves, groups, vectors, cleared, inverse, axis_name)
 
     n = len(leaves)
     flags, finite = skip_cond(all_cleared,
@@ -156,8 +181,43 @@ def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None, axis_name: Ax
                               exact, None)
     grads_max = None
     if measure is not None:
-        grads_max = _read_max(leaves, groups, axis_name, measure & finite)
+        grads_max = _read_max(vectors, groups, axis_name, measure & finite)
     return flags, finite, squares, grads_max
+
+
+def _exact_flags(leaves: list[Any], groups: list[numerics.LeafGroup], vectors: list[jax.Array],
+                 cleared: list[jax.Array], inverse: numerics.Reciprocal | None,
+                 axis_name: AxisName) -> tuple[jax.Array, jax.Array]:
+    """The branch :func:`finite_leaves` takes when the screen did not clear every group:
+    the exact test per leaf (in leaf order, agreed over ``axis_name``) and their AND.
+
+    It reads the screen's vectors, so the conditional's operands are a few arrays, not
+    every leaf. A joined group is a few small kernels, cheaper than a conditional around
+    them; a large leaf is read again only if the screen did not clear it, so a skipped
+    step rereads about what overflowed, not the whole model. The flags are concatenated
+    and put in leaf order by one static permutation (per-leaf slices and a stack cost a
+    few equations per leaf to compile).
+    """
+    def group_exact(ok: jax.Array, vector: jax.Array, group: numerics.LeafGroup) -> jax.Array:
+        def recheck(_: Any) -> jax.Array:
+            sizes = [int(np.size(leaves[i])) for i in group.indices] if group.joined else None
+            return numerics.unscaled_group_finite(vector, sizes, inverse)
+
+        if group.joined:
+            return recheck(None)
+        return skip_cond(ok, lambda _: jnp.ones((1,), jnp.bool_), recheck, None)
+
+    ungrouped, permutation = numerics.leaf_order(groups, len(leaves))
+    parts = [group_exact(ok, vector, group)
+             for ok, vector, group in zip(cleared, vectors, groups, strict=True)]
+    if ungrouped:  # integer, bool and empty leaves: always finite
+        parts.append(jnp.ones((ungrouped,), jnp.bool_))
+    stacked = jnp.concatenate(parts)
+    if permutation is not None:
+        stacked = stacked[permutation]
+    if axis_name is not None:
+        stacked = lax.pmin(stacked.astype(jnp.int32), axis_name) == 1
+    return stacked, numerics.all_rows(stacked)
 
 
 def _exact_test(grads: Any, inverse: numerics.Reciprocal | None, axis_name: AxisName,
@@ -165,23 +225,23 @@ def _exact_test(grads: Any, inverse: numerics.Reciprocal | None, axis_name: Axis
     """:func:`finite_leaves` off CPU: the exact test, and sibling reductions of the same
     leaves for the norm (and the max), which XLA fuses into one read on GPU."""
     leaves = jax.tree.leaves(grads)
-    squares = numerics.replica_square_sum([numerics.square_sum(x) for x in leaves],
+    squares = replica_square_sum([numerics.square_sum(x) for x in leaves],
                                           axis_name)
     flags, _ = numerics.unscaled_finite_leaves(grads, inverse, None)
     if with_max:
-        flags, squares, peak = numerics.agree(
+        flags, squares, peak = agree(
             flags, squares, axis_name, _peak([square_peak(x) for x in leaves]))
         return flags, flags.all(), squares, jnp.sqrt(peak)
-    flags, squares = numerics.agree(flags, squares, axis_name)
+    flags, squares = agree(flags, squares, axis_name)
     return flags, flags.all(), squares, None
 
 
-def _read_max(leaves: list[Any], groups: list[numerics.LeafGroup], axis_name: AxisName,
-              read: jax.Array) -> jax.Array:
+def _read_max(vectors: list[jax.Array], groups: list[numerics.LeafGroup],
+              axis_name: AxisName, read: jax.Array) -> jax.Array:
     """On CPU: the max |entry| in a pass of its own under a conditional (0 unless
     ``read``), agreed over ``axis_name`` by its own ``pmin`` (NaN-safe)."""
     def read_max(_: Any) -> jax.Array:
-        peak = _peak([group_square_peak(leaves, group) for group in groups])
+        peak = _peak([group_square_peak(vector) for vector in vectors])
         if axis_name is not None:
             peak = -lax.pmin(-jnp.where(jnp.isnan(peak), jnp.inf, peak), axis_name)
         return jnp.sqrt(peak)

@@ -206,7 +206,8 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
         clean_growths=clean_growths,
         underflow=underflow,
         grad_norm=decision.grad_norm,
-        replays=replay.saturating_add(state.replays, decision.replays),
+        replays=(replay.saturating_add(state.replays, decision.replays)
+                 if replay.enabled(options, state) else state.replays),
         last_step_replays=decision.replays,
     )
     _report(options, new_state, fails, leaf_names(decision.grads))
