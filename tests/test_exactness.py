@@ -267,11 +267,10 @@ def test_leaf_groups_join_small_leaves_of_one_dtype_up_to_the_cap():
     sizes = [3, 5000, 3, 0, 4096, 4097, 2]
     leaves = [jnp.ones((n,), f32) for n in sizes] + [jnp.ones((2,), f16), jnp.int32(3)]
     groups = ls_tree.leaf_groups(leaves)
-    # Small float32 leaves together, ordered by size (the empty one is in no group),
-    # float16 apart, the two larger than SMALL_LEAF (4096) on their own, the integer
-    # leaf nowhere.
+    # Small float32 leaves together (the empty one is in no group), float16 apart, the
+    # two larger than SMALL_LEAF (4096) on their own, the integer leaf nowhere.
     assert groups == [ls_tree.LeafGroup((1,), False), ls_tree.LeafGroup((5,), False),
-                      ls_tree.LeafGroup((6, 0, 2, 4), True), ls_tree.LeafGroup((7,), True)]
+                      ls_tree.LeafGroup((0, 2, 4, 6), True), ls_tree.LeafGroup((7,), True)]
     many = [jnp.ones((4000,), f32) for _ in range(40)]  # 160,000 entries
     joined = ls_tree.leaf_groups(many)
     assert [len(g.indices) for g in joined] == [16, 16, 8]

@@ -40,14 +40,13 @@
 * **Leaf groups** (:func:`leaf_groups`): on XLA CPU every kernel costs about a
   microsecond per run, so small leaves of one dtype are concatenated and tested together.
 * **Compile time**: XLA CPU compiles each distinct kernel on its own, so the step keeps
-  their number down: the reciprocal's two factors are one array, a joined group's exact
-  test reduces one matrix per leaf size, and AND-reductions are int8 mins (an AND is
-  rewritten into a tree of kernels). ``benchmarks/compile_time.py`` measures it.
+  their number down: the reciprocal's two factors are one array, and AND-reductions are
+  int8 mins (an AND is rewritten into a tree of kernels); ``benchmarks/compile_time.py``
+  measures it.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -307,19 +306,13 @@ def leaf_groups(leaves: Sequence[Any]) -> list[LeafGroup]:
         members, entries = open_groups.setdefault(
             (jnp.result_type(x), varying_axes(x)), ([], [0]))
         if entries[0] + size > GROUP_ENTRIES:
-            groups.append(_joined_group(leaves, members))
+            groups.append(LeafGroup(tuple(members), joined=True))
             members.clear()
             entries[0] = 0
         members.append(i)
         entries[0] += size
-    groups.extend(_joined_group(leaves, m) for m, _ in open_groups.values() if m)
+    groups.extend(LeafGroup(tuple(m), joined=True) for m, _ in open_groups.values() if m)
     return groups
-
-
-def _joined_group(leaves: Sequence[Any], members: list[int]) -> LeafGroup:
-    """A joined group, its leaves ordered by size: leaves of one size are then adjacent,
-    and the exact test reads each such run as one matrix (:func:`unscaled_group_finite`)."""
-    return LeafGroup(tuple(sorted(members, key=lambda i: int(np.size(leaves[i])))), True)
 
 
 def leaf_order(groups: Sequence[LeafGroup], n: int) -> tuple[int, np.ndarray | None]:
@@ -382,18 +375,15 @@ def unscaled_group_finite(vector: jax.Array, sizes: Sequence[int] | None,
     (``None`` for one leaf read in place).
 
     A large leaf is one fused reduction; a joined group is unscaled element by element
-    (one dtype, so exactly as each leaf alone), and each run of leaves of one size (the
-    group is ordered by size) is reduced as a matrix, one row per leaf: a few kernels for
-    any number of small leaves, and a program that grows with the number of sizes, not
-    of leaves.
+    (one dtype, so exactly as each leaf alone) and its flags gathered per leaf by one
+    segment reduction: a few kernels for any number of small leaves and sizes. (One
+    reduction per run of equal sizes compiled a little faster for equal leaves, but
+    28 sizes in 40 leaves made it 4x slower to compile and +60 us a step on CPU, where
+    even the kernels of a branch not taken cost time.)
     """
     if sizes is None:
         return unscaled_leaf_finite(vector, inverse)[None]
     finite = jnp.isfinite(vector if inverse is None else unscale_leaf(vector, inverse))
-    flags, start = [], 0
-    for size, run in itertools.groupby(sizes):
-        count = len(list(run))
-        block = lax.slice(finite, (start,), (start + count * size,))
-        flags.append(all_rows(block.reshape(count, size)))
-        start += count * size
-    return jnp.concatenate(flags)
+    segments = jnp.asarray(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes))
+    return jax.ops.segment_min(finite.astype(jnp.int32), segments, len(sizes),
+                               indices_are_sorted=True) == 1
