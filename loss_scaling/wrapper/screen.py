@@ -142,19 +142,13 @@ def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None, axis_name: Ax
     entry above 1.8e19) reads inf, which the rule treats as no room to grow: right, since
     such a gradient leaves none in float16 either.
 
-    On XLA CPU a plain sum (of squares) is a vectorized read, while a reduction with the
-    unscale or ``abs`` as its producer runs about three times slower (benchmarks/
-    step_breakdown.py). So the CPU step first screens the leaves with sums of squares
-    (the same read gives the gradient norm): a finite sum proves every entry finite, and
-    with a scale of at least 1 (a reciprocal of at most 1) unscaling a finite entry cannot
-    overflow, also not when cast back to a narrow dtype.
-    Only a group the screen does not clear (an inf or NaN, which is then skipped anyway, a
-    sum that overflowed, or everything at a scale below 1) runs the exact test, under a
-    conditional. Small leaves are screened and tested together
-    (:func:`loss_scaling.core.numerics.leaf_groups`): on XLA CPU every kernel of the executable
-    costs about a microsecond per run, those in a branch not taken included, and a small
-    model is all small leaves. Other backends run the exact test directly: a conditional
-    can cost them a host round trip.
+    On CPU the leaves are first screened by sums of squares, the one reduction XLA CPU
+    vectorizes (about 3x faster than one with the unscale or ``abs`` as its producer,
+    benchmarks/step_breakdown.py), small leaves joined
+    (:func:`loss_scaling.core.numerics.leaf_groups`); why a finite sum clears a group is
+    argued in :mod:`loss_scaling.core.numerics`. Only if a group is not cleared does the
+    exact test run (:func:`_exact_flags`, under a conditional). Other backends run the
+    exact test directly: a conditional can cost them a host round trip.
     """
     leaves = jax.tree.leaves(grads)
     groups = numerics.leaf_groups(leaves)
