@@ -328,7 +328,8 @@ def leaf_order(groups: Sequence[LeafGroup], n: int) -> tuple[int, np.ndarray | N
 def group_vector(leaves: Sequence[Any], group: LeafGroup) -> jax.Array:
     """The group's leaves as one array: the leaf itself, or a concatenated copy.
 
-    Made once per step and read by the screen, the exact test and the max. The barrier
+    Read by the screen, and made again by the exact test and the max in their own
+    conditionals (a copy kept for them would stay alive across the step). The barrier
     keeps XLA from splitting a reduction of the concatenation back into one reduction
     per leaf, which is what the group is there to avoid.
     """

@@ -167,7 +167,7 @@ def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None, axis_name: Ax
     all_cleared = all_cleared[0]
 
     def exact(_: Any) -> tuple[jax.Array, jax.Array]:
-        return _exact_flags(leaves, groups, vectors, cleared, inverse, axis_name)
+        return _exact_flags(leaves, groups, cleared, inverse, axis_name)
 
     n = len(leaves)
     flags, finite = skip_cond(all_cleared,
@@ -175,35 +175,35 @@ def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None, axis_name: Ax
                               exact, None)
     grads_max = None
     if measure is not None:
-        grads_max = _read_max(vectors, groups, axis_name, measure & finite)
+        grads_max = _read_max(leaves, groups, axis_name, measure & finite)
     return flags, finite, squares, grads_max
 
 
-def _exact_flags(leaves: list[Any], groups: list[numerics.LeafGroup], vectors: list[jax.Array],
+def _exact_flags(leaves: list[Any], groups: list[numerics.LeafGroup],
                  cleared: list[jax.Array], inverse: numerics.Reciprocal | None,
                  axis_name: AxisName) -> tuple[jax.Array, jax.Array]:
     """The branch :func:`finite_leaves` takes when the screen did not clear every group:
     the exact test per leaf (in leaf order, agreed over ``axis_name``) and their AND.
 
-    It reads the screen's vectors, so the conditional's operands are a few arrays, not
-    every leaf. A joined group is a few small kernels, cheaper than a conditional around
-    them; a large leaf is read again only if the screen did not clear it, so a skipped
-    step rereads about what overflowed, not the whole model. The flags are concatenated
-    and put in leaf order by one static permutation (per-leaf slices and a stack cost a
-    few equations per leaf to compile).
+    A joined group is concatenated again here rather than kept from the screen, so that
+    the copy lives only while this rare branch runs; its test is a few small kernels,
+    cheaper than a conditional around them. A large leaf is read again only if the
+    screen did not clear it, so a skipped step rereads about what overflowed, not the
+    whole model. The flags are put in leaf order by one static permutation (per-leaf
+    slices and a stack cost a few equations per leaf to compile).
     """
-    def group_exact(ok: jax.Array, vector: jax.Array, group: numerics.LeafGroup) -> jax.Array:
+    def group_exact(ok: jax.Array, group: numerics.LeafGroup) -> jax.Array:
         def recheck(_: Any) -> jax.Array:
             sizes = [int(np.size(leaves[i])) for i in group.indices] if group.joined else None
-            return numerics.unscaled_group_finite(vector, sizes, inverse)
+            return numerics.unscaled_group_finite(numerics.group_vector(leaves, group), sizes,
+                                                  inverse)
 
         if group.joined:
             return recheck(None)
         return skip_cond(ok, lambda _: jnp.ones((1,), jnp.bool_), recheck, None)
 
     ungrouped, permutation = numerics.leaf_order(groups, len(leaves))
-    parts = [group_exact(ok, vector, group)
-             for ok, vector, group in zip(cleared, vectors, groups, strict=True)]
+    parts = [group_exact(ok, group) for ok, group in zip(cleared, groups, strict=True)]
     if ungrouped:  # integer, bool and empty leaves: always finite
         parts.append(jnp.ones((ungrouped,), jnp.bool_))
     stacked = jnp.concatenate(parts)
@@ -230,12 +230,13 @@ def _exact_test(grads: Any, inverse: numerics.Reciprocal | None, axis_name: Axis
     return flags, flags.all(), squares, None
 
 
-def _read_max(vectors: list[jax.Array], groups: list[numerics.LeafGroup],
+def _read_max(leaves: list[Any], groups: list[numerics.LeafGroup],
               axis_name: AxisName, read: jax.Array) -> jax.Array:
     """On CPU: the max |entry| in a pass of its own under a conditional (0 unless
     ``read``), agreed over ``axis_name`` by its own ``pmin`` (NaN-safe)."""
     def read_max(_: Any) -> jax.Array:
-        peak = _peak([group_square_peak(vector) for vector in vectors])
+        peak = _peak([group_square_peak(numerics.group_vector(leaves, group))
+                      for group in groups])
         if axis_name is not None:
             peak = -lax.pmin(-jnp.where(jnp.isnan(peak), jnp.inf, peak), axis_name)
         return jnp.sqrt(peak)
