@@ -386,5 +386,5 @@ def unscaled_group_finite(vector: jax.Array, sizes: Sequence[int] | None,
         return unscaled_leaf_finite(vector, inverse)[None]
     finite = jnp.isfinite(vector if inverse is None else unscale_leaf(vector, inverse))
     segments = jnp.asarray(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes))
-    return jax.ops.segment_min(finite.astype(jnp.int32), segments, len(sizes),
+    return jax.ops.segment_min(finite.astype(jnp.int8), segments, len(sizes),
                                indices_are_sorted=True) == 1
