@@ -18,8 +18,8 @@
   power of two: exact, and normal), and ``post = 2**-64``. ``(x * normal) * post`` is
   then ``round(x * q * 2**-85) * 2**-64``, which equals ``round(x * r)`` whenever the
   result is normal, since multiplying by a power of two between normal numbers commutes
-  with rounding. So ``unscale`` gives PyTorch's bits
-  wherever the result is a normal number. Both factors are at most 1.
+  with rounding. So ``unscale`` gives PyTorch's bits wherever the result is a normal
+  number. Both factors are at most 1.
 * **Finiteness** (:func:`unscaled_finite_leaves`): the definition is
   ``all(isfinite(unscale_leaf(x)))`` per leaf, read in one fused reduction: a sum of
   magnitudes shrunk by ``2**-k`` with ``2**k >= 2 * entries`` (:func:`_bounded_sum`).
@@ -149,7 +149,7 @@ def reciprocal(scale: jax.Array) -> Reciprocal:
     # The derivation is in the module docstring: where r is subnormal, the biased exponent
     # e is 253 or 254 and r * 2**149 = round(2**(299 - e) / m) = round(2**46 / divisor)
     # with divisor = m for e = 253 (odd) and 2 * m for e = 254 (even).
-    even_exponent = lax.shift_right_logical(bits, jnp.int32(23)) & 1 ^ 1
+    even_exponent = (lax.shift_right_logical(bits, jnp.int32(23)) & 1) ^ 1
     quotient = _rounded_quotient(lax.shift_left(mantissa, even_exponent))
     lifted = quotient.astype(jnp.float32) * jnp.float32(2.0**-85)  # r * 2**64, exact
     subnormal = (scale > _F32_TINY**-1) & (scale <= _F32_MAX)
@@ -293,7 +293,8 @@ def leaf_groups(leaves: Sequence[Any]) -> list[LeafGroup]:
     and empty leaves are in no group (always finite).
     """
     groups: list[LeafGroup] = []
-    open_groups: dict[Any, tuple[list[int], list[int]]] = {}  # key -> (members, entries)
+    open_groups: dict[Any, list[int]] = {}
+    open_entries: dict[Any, int] = {}
     for i, x in enumerate(leaves):
         size = int(np.size(x))
         if not is_floating(x) or not size:
@@ -303,15 +304,15 @@ def leaf_groups(leaves: Sequence[Any]) -> list[LeafGroup]:
             continue
         # One dtype, and under shard_map one set of varying axes: a group's sum of squares
         # is then a whole leaf's or a shard's, never a mix (see the gradient norm).
-        members, entries = open_groups.setdefault(
-            (jnp.result_type(x), varying_axes(x)), ([], [0]))
-        if entries[0] + size > GROUP_ENTRIES:
+        key = (jnp.result_type(x), varying_axes(x))
+        members = open_groups.setdefault(key, [])
+        if open_entries.get(key, 0) + size > GROUP_ENTRIES:
             groups.append(LeafGroup(tuple(members), joined=True))
             members.clear()
-            entries[0] = 0
+            open_entries[key] = 0
         members.append(i)
-        entries[0] += size
-    groups.extend(LeafGroup(tuple(m), joined=True) for m, _ in open_groups.values() if m)
+        open_entries[key] = open_entries.get(key, 0) + size
+    groups.extend(LeafGroup(tuple(m), joined=True) for m in open_groups.values() if m)
     return groups
 
 

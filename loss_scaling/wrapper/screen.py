@@ -54,7 +54,6 @@ def skip_cond(apply: jax.Array, step: Callable[[Any], Any], skip_step: Callable[
     return lax.cond(apply, cast(step), cast(skip_step), operands)
 
 
-
 # ------------------------------------------------------------- the norm, over replicas
 
 
@@ -64,7 +63,8 @@ def replica_square_sum(sums: Sequence[jax.Array], axis_name: AxisName) -> jax.Ar
     Under ``shard_map`` a sum that varies over some of the ``axis_name`` axes is a shard's
     part of a leaf split over them (tensor parallelism): those parts add up (``psum``),
     while a sum invariant over an axis is already the whole leaf's (replicated, e.g.
-    ``pmean``-ed, gradients; :func:`leaf_groups` never joins the two kinds).
+    ``pmean``-ed, gradients; :func:`loss_scaling.core.numerics.leaf_groups` never joins
+    the two kinds).
     """
     names = _axis_names(axis_name)
     total = jnp.zeros((), jnp.float32)
@@ -157,8 +157,7 @@ def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None, axis_name: Ax
     small_reciprocal = jnp.asarray(True)
     if inverse is not None:
         small_reciprocal = (inverse.normal <= 1) | (inverse.post < 1)
-    vectors = [numerics.group_vector(leaves, group) for group in groups]
-    sums = [numerics.sum_screen(vector) for vector in vectors]
+    sums = [numerics.sum_screen(numerics.group_vector(leaves, group)) for group in groups]
     cleared = [jnp.isfinite(x) & small_reciprocal for x in sums]
     # The branch must be the same on every replica: one collective for it and the norm.
     all_cleared, squares = agree(
@@ -219,8 +218,7 @@ def _exact_test(grads: Any, inverse: numerics.Reciprocal | None, axis_name: Axis
     """:func:`finite_leaves` off CPU: the exact test, and sibling reductions of the same
     leaves for the norm (and the max), which XLA fuses into one read on GPU."""
     leaves = jax.tree.leaves(grads)
-    squares = replica_square_sum([numerics.square_sum(x) for x in leaves],
-                                          axis_name)
+    squares = replica_square_sum([numerics.square_sum(x) for x in leaves], axis_name)
     flags, _ = numerics.unscaled_finite_leaves(grads, inverse, None)
     if with_max:
         flags, squares, peak = agree(
