@@ -165,6 +165,38 @@ def test_nnx_differentiates_the_optimizers_wrt_filter_only():
     assert not ls.find_overflow(loss_fn, optimizer, model, x)
 
 
+class NnxTrainingNet(nnx.Module):
+    """A model whose forward pass writes state: BatchNorm statistics, Dropout's RNG count."""
+
+    def __init__(self):
+        self.net = NnxNet(BIG)
+        self.norm = nnx.BatchNorm(4, dtype=F16, rngs=nnx.Rngs(0))
+        self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))
+
+    def __call__(self, x):
+        return self.drop(self.norm(self.net(x)))
+
+
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_nnx_models_in_training_mode_are_reported_and_left_untouched(with_optimizer):
+    model = NnxTrainingNet()
+    holder = ((ls.nnx.Optimizer(model, ls.with_loss_scaling(optax.sgd(0.1)), wrt=nnx.Param),)
+              if with_optimizer else ())
+    def snapshot():
+        return [np.array(jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key)
+                         else v) for v in jax.tree.leaves(nnx.state(model))]
+
+    before = snapshot()
+    loss_fn = loss_of(lambda m, x: m(x))
+    x = jnp.full((2, 4), 4.0, F16)
+    report = ls.find_overflow(loss_fn, *holder, model, x)
+    assert report.found and report.layer == "net/second", report
+    table = ls.float16_report(loss_fn, *holder, model, x)
+    assert "net/second" in str(table)
+    for after, was in zip(snapshot(), before, strict=True):  # statistics, RNG counts
+        np.testing.assert_array_equal(after, was)
+
+
 def test_bad_arguments_get_errors_that_say_what_to_pass():
     with pytest.raises(TypeError, match="loss_fn's arguments"):
         ls.find_overflow(lambda w: w)

@@ -117,7 +117,10 @@ def _split(p: Problem) -> tuple[list[Any], Callable[[list[Any]], tuple[Any, ...]
 
         if nnx.graph.is_graph_node(first):
             graphdef, diff, *others = nnx.split(first, p.wrt or nnx.Param, ...)
-            leaves, treedef = jax.tree.flatten(diff)
+            # Arrays, not the model's Variables: the copy merged inside the trace owns
+            # fresh ones, which BatchNorm and Dropout may write (the model is untouched).
+            others = [nnx.as_pure(other) for other in others]
+            leaves, treedef = jax.tree.flatten(nnx.as_pure(diff))
 
             def rebuild_nnx(xs: list[Any]) -> tuple[Any, ...]:
                 state = jax.tree.unflatten(treedef, xs)
