@@ -615,3 +615,19 @@ def test_value_and_grad_has_aux_misuse_names_has_aux_and_the_output(has_aux, mat
     with pytest.raises(TypeError, match=match) as info:
         grad_fn(optimizer, model)
     assert "24" not in str(info.value)                         # the aux, scaled, not shown
+
+
+@MAYBE_JIT
+def test_update_with_the_arguments_swapped_is_refused_and_changes_nothing(maybe_jit):
+    model = make_model()
+    optimizer = make_optimizer(model, fused=True)
+    x, y = data(0)
+    _, grads = ls.value_and_grad(loss_fn)(optimizer, model, x, y, jnp.zeros(()))
+    before = bits((nnx.state(model), nnx.state(optimizer)))
+    swapped = maybe_jit(lambda optimizer, model, grads: optimizer.update(grads, model))
+    with pytest.raises(TypeError, match=r"`grads` is a Module \(CNN\) and `model` an "
+                                        r"nnx.State: the two are swapped.*update\(model, grads\)"):
+        swapped(optimizer, model, grads)
+    with pytest.raises(TypeError, match=r"`model` must be the nnx Module, got .*dict"):
+        optimizer.update({"w": jnp.ones(2)}, grads)
+    assert_bit_identical(before, (nnx.state(model), nnx.state(optimizer)))

@@ -223,6 +223,7 @@ class Optimizer(nnx.Optimizer):
           None: unlike ``nnx.Optimizer.update``, the updates never leave the skip
           decision (that is what makes the step cheap).
         """
+        _refuse_swapped_update(model, grads)
         param_arrays = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
         grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
         opt_state_arrays = nnx.as_pure(self.opt_state)
@@ -235,6 +236,26 @@ class Optimizer(nnx.Optimizer):
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
         self.step[...] += 1
+
+
+UPDATE_ARGUMENTS = (
+    "ls.nnx.Optimizer.update(model, grads): {problem}. Call `optimizer.update(model, "
+    "grads)` with the Module first and the gradients from `ls.value_and_grad` second "
+    "(the order of flax's nnx.Optimizer.update)."
+)
+
+
+def _refuse_swapped_update(model: Any, grads: Any) -> None:
+    """A TypeError for ``update(grads, model)``: read as given, the params' own values
+    would step the optimizer as if they were gradients and the model would stay put."""
+    if isinstance(grads, nnx.Module):
+        problem = (f"`grads` is a Module ({type(grads).__name__})"
+                   + (" and `model` an nnx.State: the two are swapped"
+                      if isinstance(model, nnx.State) else ""))
+        raise TypeError(UPDATE_ARGUMENTS.format(problem=problem))
+    if not is_graph_node(model):
+        raise TypeError(UPDATE_ARGUMENTS.format(
+            problem=f"`model` must be the nnx Module, got {describe(model)}"))
 
 
 def _loss_of_params(model: Any, wrt: Any, graph: bool | None,
