@@ -5,18 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-import optax
-
 from loss_scaling import _registry
 from loss_scaling._errors import NoLossScaleFound
 from loss_scaling.core.scalers import (
     DynamicLossScale,
     LossScale,
 )
-from loss_scaling.wrapper.state import (
-    LossScalingState,
-)
+from loss_scaling.wrapper import state as wrapper_state
+from loss_scaling.wrapper.state import LossScalingState
 
 _NO_CONFIG = (
     "This nnx.State holds the loss scale's values but not its configuration: a plain flax "
@@ -34,53 +30,15 @@ def unwrap(x: Any) -> Any:
     return x
 
 
-WRAPPER_INSIDE_MULTISTEPS = (
-    "This optimizer state holds `ls.with_loss_scaling(...)` inside `optax.MultiSteps` "
-    "({where}): that order trains nothing after the first overflow "
-    "(MultiSteps resets its accumulator as (1 - emit) * acc, and 0 * inf is NaN, so every "
-    "later window is skipped too). Put the wrapper around the accumulation: "
-    "`ls.with_loss_scaling(optax.MultiSteps(inner, every_k_schedule=k))`, which unscales "
-    "and checks each micro batch on its own (see docs/optax_wrapper.md, "
-    "\"Gradient accumulation\")."
-)
-
-
 def refuse_wrapper_inside_multisteps(opt_state: Any) -> None:
-    """Raises ``ValueError`` if a wrapper state sits inside an ``optax.MultiStepsState``."""
-    found = optax.tree_utils.tree_get_all_with_path(
-        unwrap(opt_state), optax.MultiStepsState.__name__,
-        filtering=lambda _, value: isinstance(value, optax.MultiStepsState))
-    for path, state in found:
-        if all_wrapper_states(state.inner_opt_state):
-            where = _path_str(path)
-            raise ValueError(WRAPPER_INSIDE_MULTISTEPS.format(
-                where=f"the MultiStepsState at path {where!r}" if where
-                else "the MultiStepsState is the whole state"))
+    """Raises ``ValueError`` if a wrapper state sits inside an ``optax.MultiStepsState``
+    (of any state :func:`get_loss_scale` accepts)."""
+    wrapper_state.refuse_wrapper_inside_multisteps(unwrap(opt_state))
 
 
 def all_wrapper_states(opt_state: Any) -> list[tuple[str, LossScalingState]]:
-    # optax matches a NamedTuple by its class name; the isinstance filter rules out
-    # any other class that happens to share the name.
-    found = optax.tree_utils.tree_get_all_with_path(
-        unwrap(opt_state), LossScalingState.__name__,
-        filtering=lambda _, value: isinstance(value, LossScalingState),
-    )
-    return [(_path_str(path), value) for path, value in found]
-
-
-def _path_str(path: tuple[Any, ...]) -> str:
-    """A key path as Python would index it, e.g. ``.inner_states['x'].inner_state``."""
-    parts = []
-    for key in path:
-        if isinstance(key, (optax.tree_utils.NamedTupleKey, jax.tree_util.GetAttrKey)):
-            parts.append(f".{key.name}")
-        elif isinstance(key, jax.tree_util.DictKey):
-            parts.append(f"[{key.key!r}]")
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(f"[{key.idx}]")
-        else:
-            parts.append(jax.tree_util.keystr((key,)))
-    return "".join(parts)
+    """Every wrapper state with its key path (of any state :func:`get_loss_scale` accepts)."""
+    return wrapper_state.wrapper_states_in(unwrap(opt_state))
 
 
 def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:

@@ -192,6 +192,13 @@ def test_the_wrapper_inside_multisteps_is_refused_wherever_the_state_is_seen():
         ls.TrainState.create(apply_fn=None, params=params, tx=gt)
     with pytest.raises(ValueError, match=fix):
         ls.nnx.Optimizer(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), gt, wrt=nnx.Param)
+    # The train step's own calls see the whole state too, eagerly and under jit.
+    grad_fn = ls.value_and_grad(lambda w: jnp.sum(w ** 2))
+    for maybe_jit in (lambda f: f, jax.jit):
+        with pytest.raises(ValueError, match=fix):
+            maybe_jit(grad_fn)(opt_state, params)
+        with pytest.raises(ValueError, match=fix):
+            maybe_jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))(params, opt_state, params)
     # The recommended order passes everywhere.
     good = ls.with_loss_scaling(optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2))
     ls.check(ls.TrainState.create(apply_fn=None, params=params, tx=good))
@@ -337,3 +344,39 @@ def test_a_jitted_step_traces_the_inner_update_once(path):
         new_params, opt_state = step(grads, opt_state, params)
     assert len(traces) == 1
     chex.assert_trees_all_equal(new_params, params)  # the second step, skipped
+
+
+# ------------------------------------ the wrong object where the wrapper's state belongs
+
+
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_a_wrong_opt_state_is_a_type_error_naming_opt_state_and_the_fix(maybe_jit):
+    from flax import nnx
+
+    tx = ls.with_loss_scaling(optax.adam(1e-3))
+    params = {"w": jnp.ones(3)}
+    opt_state = tx.init(params)
+    grads = {"w": jnp.ones(3)}
+    fused = maybe_jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
+    plain = maybe_jit(lambda g, s, p: tx.update(g, s, p))
+    head = r"opt_state must be the state that `tx.init\(params\)` returned.*got "
+    scaler = ls.get_loss_scale(opt_state)
+    for step, call in ((fused, r"ls\.apply_gradients"), (plain, r"tx\.update")):
+        with pytest.raises(TypeError, match=call + r".*" + head + r".*DynamicLossScale\. "
+                           r"That is the loss scale: pass the optimizer state"):
+            step(grads, scaler, params)
+        with pytest.raises(TypeError, match=head + r".*dict\. Are the arguments in order"):
+            step(grads, params, opt_state)           # params and opt_state swapped
+    chained = optax.chain(tx, optax.identity()).init(params)
+    with pytest.raises(TypeError, match=head + r".*tuple\. It holds one at '\[0\]'"):
+        fused(grads, chained, params)
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = ls.nnx.Optimizer(model, ls.with_loss_scaling(optax.sgd(0.1)), wrt=nnx.Param)
+    with pytest.raises(TypeError, match=r"It holds one at '\.opt_state'.*"
+                                        r"optimizer\.update\(model, grads\)"):
+        ls.apply_gradients(optimizer.tx, grads, optimizer, model)
+    # The inner optimizer as tx with the wrapper's state: named, not optax's chain error.
+    with pytest.raises(TypeError, match=r"opt_state is a with_loss_scaling state, but tx "
+                                        r"\(.*GradientTransformation.*\) is not the "
+                                        r"transformation that made it"):
+        ls.apply_gradients(optax.adam(1e-3), grads, opt_state, params)

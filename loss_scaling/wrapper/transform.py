@@ -43,6 +43,9 @@ from loss_scaling.wrapper.state import (
     _warn_low_precision_state,
     gradient_leaf_count,
     initial_state,
+    refuse_other_state,
+    refuse_wrapper_inside_multisteps,
+    wrapper_states_in,
 )
 from loss_scaling.wrapper.step import guarded_step
 
@@ -201,8 +204,12 @@ def with_loss_scaling(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScalingState]:
+        refuse_other_state(state, "tx.update(grads, opt_state, params)")
         return guarded_step(options, updates, state, params, extra_args, fused=False)
 
+    # On the update function too: a transformation rebuilt around it
+    # (`GradientTransformationExtraArgs(tx.init, tx.update)`) keeps the fused path.
+    update_fn.options = options  # type: ignore[attr-defined]
     tx = LossScalingTransformation(init_fn, update_fn)
     tx.options = options
     return tx
@@ -247,12 +254,24 @@ def apply_gradients(
       >>> params
       Array([ 0.5, -2.5], dtype=float32)
     """
-    options = getattr(tx, "options", None)
-    if not isinstance(options, WrapperOptions) or not isinstance(opt_state, LossScalingState):
-        _warn_if_fused_path_lost(tx, opt_state)
-        updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
-        return optax.apply_updates(params, updates), opt_state
-    return guarded_step(options, grads, opt_state, params, extra_args, fused=True)
+    options = getattr(getattr(tx, "update", None), "options", None)
+    if isinstance(options, WrapperOptions):
+        refuse_other_state(opt_state, "ls.apply_gradients(tx, grads, opt_state, params)")
+        return guarded_step(options, grads, opt_state, params, extra_args, fused=True)
+    if isinstance(opt_state, LossScalingState):
+        raise TypeError(NOT_THE_WRAPPER.format(what=_errors.describe(tx)))
+    refuse_wrapper_inside_multisteps(opt_state)
+    _warn_if_fused_path_lost(tx, opt_state)
+    updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+    return optax.apply_updates(params, updates), opt_state
+
+
+NOT_THE_WRAPPER = (
+    "ls.apply_gradients(tx, grads, opt_state, params): opt_state is a with_loss_scaling "
+    "state, but tx ({what}) is not the transformation that made it. Pass the `tx` that "
+    "`ls.with_loss_scaling(...)` returned (the inner optimizer would read the wrapper's "
+    "state as its own)."
+)
 
 
 FUSED_PATH_LOST = (
@@ -268,9 +287,7 @@ FUSED_PATH_LOST = (
 def _warn_if_fused_path_lost(tx: Any, opt_state: Any) -> None:
     """A :class:`LossScaleWarning` (once per call site) when ``tx`` hides a wrapper whose
     state ``opt_state`` holds: the silent fallback to the plain path made visible."""
-    found = optax.tree_utils.tree_get_all_with_path(
-        opt_state, LossScalingState.__name__,
-        filtering=lambda _, value: isinstance(value, LossScalingState))
+    found = wrapper_states_in(opt_state)
     # Several wrappers (one per `optax.multi_transform` group) have no fused form to
     # point at: the plain path is theirs.
     if len(found) == 1:
