@@ -393,3 +393,35 @@ def test_value_and_grad_has_aux_misuse_names_has_aux_and_the_output(has_aux, mat
     with pytest.raises(TypeError, match=match) as info:
         grad_fn(opt_state, model)
     assert "24" not in str(info.value)                         # the aux, scaled, not shown
+
+
+@MAYBE_JIT
+def test_a_model_frozen_in_part_trains_only_its_trainable_arrays(maybe_jit):
+    """Equinox's freezing recipe: eqx.partition(model, filter_spec), the optimizer on the
+    trainable part. The fused step matches optax + eqx.apply_updates; a skip keeps all."""
+    model = eqx.nn.MLP(3, 1, 8, 2, key=jax.random.key(0))
+    spec = jax.tree.map(lambda _: False, model)
+    spec = eqx.tree_at(lambda m: m.layers[-1], spec,
+                       replace=jax.tree.map(eqx.is_inexact_array, model.layers[-1]))
+    tx = ls.with_loss_scaling(optax.adam(0.1), ls.StaticLossScale(4.0))
+    opt_state = tx.init(eqx.filter(model, spec))
+    diff, static = eqx.partition(model, spec)
+
+    def loss_fn(diff, static, x):
+        return jnp.mean(jax.vmap(eqx.combine(diff, static))(x) ** 2)
+
+    x = jnp.ones((4, 3))
+    _, grads = ls.value_and_grad(loss_fn)(opt_state, diff, static, x)
+    step = maybe_jit(ls.equinox.apply_gradients)
+    new_model, _ = step(tx, grads, opt_state, model)
+    updates, _ = tx.update(grads, opt_state, eqx.filter(model, spec))
+    bitwise.assert_trees_close_in_ulps(params_of(new_model),
+                                       params_of(eqx.apply_updates(model, updates)))
+    assert_bit_identical(bits(model.layers[0]), new_model.layers[0])  # frozen
+    assert not np.array_equal(model.layers[-1].weight, new_model.layers[-1].weight)
+    bad = jax.tree.map(lambda g: g * jnp.inf, grads)
+    skipped, state = step(tx, bad, opt_state, model)
+    assert_bit_identical(bits(model), skipped)
+    assert int(ls.metrics(state)["skipped_steps"]) == 1
+    with pytest.raises(ValueError, match=r"grads must have the model's structure"):
+        ls.equinox.apply_gradients(tx, {"w": jnp.ones(2)}, opt_state, model)

@@ -114,7 +114,9 @@ def apply_gradients(
     update and its application run under one skip decision, and a skipped step returns
     every array of the model bit-identical. Integer and bool arrays (a stored mask, an
     index table) are not trained and come back as they are, as with
-    ``eqx.apply_updates``.
+    ``eqx.apply_updates``; so do floating arrays whose gradient is ``None`` (a model
+    frozen in part with ``eqx.partition(model, filter_spec)``, the optimizer initialised
+    on ``eqx.filter(model, filter_spec)``).
 
     Args:
       tx: the transformation (ideally from :func:`~loss_scaling.with_loss_scaling`).
@@ -133,7 +135,8 @@ def apply_gradients(
 
     Raises:
       ValueError: if ``opt_state`` was initialised on ``eqx.filter(model, eqx.is_array)``
-        of a model that holds integer or bool arrays (they have no gradients).
+        of a model that holds integer or bool arrays (they have no gradients), or if
+        ``grads`` does not have the model's structure.
 
     Examples:
       >>> import jax, jax.numpy as jnp, equinox as eqx, optax
@@ -146,13 +149,34 @@ def apply_gradients(
       >>> bool(jnp.all(new_model.weight == model.weight - 0.5))
       True
     """
-    params, static = eqx.partition(model, eqx.is_inexact_array)
+    params, static = _trained_part(model, grads)
     _refuse_state_of_all_arrays(opt_state, params, model)
     value_fn = extra_args.get("value_fn")
     if callable(value_fn):  # the model's loss, as the trained arrays' loss
         extra_args["value_fn"] = lambda p: value_fn(eqx.combine(p, static))
     params, opt_state = _apply_gradients(tx, grads, opt_state, params, **extra_args)
     return eqx.combine(params, static), opt_state
+
+
+GRADS_NOT_OF_MODEL = (
+    "grads must have the model's structure, with None where a leaf is not trained (as "
+    "`ls.value_and_grad` returns them for the model or its trainable part from "
+    "`eqx.partition`): {error}"
+)
+
+
+def _trained_part(model: Any, grads: Any) -> tuple[Any, Any]:
+    """``(trained, rest)`` of ``model``: its floating-point arrays that have a gradient,
+    and everything else. A model frozen in part (Equinox's ``eqx.partition(model,
+    filter_spec)`` recipe) has ``None`` gradients for the frozen arrays, which are then
+    left as they are, as ``eqx.apply_updates`` leaves them."""
+    has_grad = jax.tree.map(lambda g: g is not None, grads, is_leaf=lambda g: g is None)
+    try:
+        trained, rest = eqx.partition(model, has_grad)
+    except ValueError as error:
+        raise ValueError(GRADS_NOT_OF_MODEL.format(error=error)) from None
+    trained, others = eqx.partition(trained, eqx.is_inexact_array)
+    return trained, eqx.combine(others, rest)
 
 
 INITIALISED_WITH_IS_ARRAY = (
