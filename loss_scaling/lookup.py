@@ -62,7 +62,8 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
       The loss-scale state (its leaves as arrays).
 
     Raises:
-      ValueError: if there is no loss scale, or several and ``path`` does not pick one.
+      ValueError: if there is no loss scale, or several and ``path`` does not pick one
+        (the message lists their paths); TypeError if ``path`` is not a string.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -78,12 +79,20 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
 
 
 def _get_wrapper_state(opt_state: Any, path: str | None) -> LossScalingState:
-    found = all_wrapper_states(opt_state)
+    if path is not None and not isinstance(path, str):
+        raise TypeError(f"path must be a string (a key path, or a part of one, such as "
+                        f"\"['generator']\") or None, got {path!r}.")
+    every = found = all_wrapper_states(opt_state)
     if path is not None:
         exact = [(p, s) for p, s in found if p == path]
         found = exact or [(p, s) for p, s in found if path in p]
     if len(found) == 1:
         return found[0][1]
+    if not found and every:
+        paths = ", ".join(repr(p) for p, _ in every)
+        raise NoLossScaleFound(
+            f"No loss scale found at path {path!r} in this optimizer state; it holds "
+            f"{len(every)}, at paths {paths}: pass one of them (or a part of it) as `path=`.")
     if not found:
         where = "" if path is None else f" at path {path!r}"
         raise NoLossScaleFound(

@@ -129,8 +129,11 @@ def test_path_picks_one_of_two_wrappers(maybe_jit, path, want):
 
 def test_path_that_matches_none_or_both_is_a_clear_error():
     opt_state = two_wrappers()
-    with pytest.raises(ValueError, match=r"No loss scale found at path \"\['z'\]\""):
+    with pytest.raises(ValueError, match=r"No loss scale found at path \"\['z'\]\"") as info:
         ls.get_loss_scale(opt_state, path="['z']")
+    assert X_PATH in str(info.value) and Y_PATH in str(info.value)  # what there is
+    with pytest.raises(TypeError, match=r"path must be a string .* got 3"):
+        ls.get_loss_scale(opt_state, path=3)
     with pytest.raises(ValueError, match="2 loss scales"):
         ls.get_loss_scale(opt_state, path="inner_state")     # in both paths
 

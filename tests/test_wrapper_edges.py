@@ -380,3 +380,16 @@ def test_a_wrong_opt_state_is_a_type_error_naming_opt_state_and_the_fix(maybe_ji
                                         r"\(.*GradientTransformation.*\) is not the "
                                         r"transformation that made it"):
         ls.apply_gradients(optax.adam(1e-3), grads, opt_state, params)
+
+
+@pytest.mark.parametrize("inner, match", [
+    (ls.DynamicLossScale(), r"inner must be .* got .*DynamicLossScale\. That is a loss "
+                            r"scale, which comes second: `ls\.with_loss_scaling\("
+                            r"optax\.adam\(1e-3\), "),
+    (optax.adam, r"inner must be .* got .*function\. That is a function: call it to "
+                 r"build the optimizer, e\.g\. `optax\.adam\(1e-3\)`"),
+    ({"lr": 1e-3}, r"inner must be an optax transformation .* got .*dict\.$"),
+])
+def test_with_loss_scaling_names_inner_when_it_is_not_an_optimizer(inner, match):
+    with pytest.raises(TypeError, match=r"with_loss_scaling\(inner, scaler\): " + match):
+        ls.with_loss_scaling(inner)

@@ -143,7 +143,8 @@ def with_loss_scaling(
       ValueError: for an unknown ``skip``, ``on_failure`` or ``nonfinite_loss``, a
         ``max_consecutive_skips`` that is not a positive integer, or a ``max_replays``
         outside [0, 64]; from ``update``, with replay on and no ``value_fn=``.
-      TypeError: if ``scaler`` is not a loss-scale state; from ``init``, if a params leaf
+      TypeError: if ``inner`` is not an optax transformation or ``scaler`` not a
+        loss-scale state; from ``init``, if a params leaf
         has a dtype without a zero (``float8_e8m0fnu``), which no skipped step can keep.
 
     Examples:
@@ -164,6 +165,7 @@ def with_loss_scaling(
       (Array([1., 2.], dtype=float32), 4.0)
       >>> ls.check(opt_state)    # healthy: returns None
     """
+    _refuse_other_inner(inner)
     on_failure = scalers.resolve_on_failure(on_failure)
     if skip not in ("auto", "cond", "select"):
         raise ValueError(f"skip must be 'auto', 'cond' or 'select', got {skip!r}.")
@@ -272,6 +274,29 @@ NOT_THE_WRAPPER = (
     "`ls.with_loss_scaling(...)` returned (the inner optimizer would read the wrapper's "
     "state as its own)."
 )
+
+
+NOT_AN_OPTIMIZER = (
+    "with_loss_scaling(inner, scaler): inner must be an optax transformation (with `init` "
+    "and `update`), e.g. `ls.with_loss_scaling(optax.adam(1e-3))`, got {what}.{hint}"
+)
+
+
+def _refuse_other_inner(inner: Any) -> None:
+    """A ``TypeError`` naming ``inner`` and the fix: the loss scale first, or the
+    optimizer's factory uncalled, otherwise fail later as a missing ``init``."""
+    if callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None)):
+        return
+    if isinstance(inner, SCALER_TYPES):
+        hint = (" That is a loss scale, which comes second: "
+                "`ls.with_loss_scaling(optax.adam(1e-3), ls.DynamicLossScale(...))`.")
+    elif callable(inner):
+        name = ".".join(filter(None, (getattr(inner, "__module__", "").split(".")[0],
+                                      getattr(inner, "__name__", "factory"))))
+        hint = f" That is a function: call it to build the optimizer, e.g. `{name}(1e-3)`."
+    else:
+        hint = ""
+    raise TypeError(NOT_AN_OPTIMIZER.format(what=_errors.describe(inner), hint=hint))
 
 
 FUSED_PATH_LOST = (
