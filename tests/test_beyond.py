@@ -26,6 +26,9 @@ import loss_scaling as ls
 from loss_scaling.core import update as ls_update
 from loss_scaling.wrapper import step as ls_step
 
+pytestmark = pytest.mark.filterwarnings(  # float16 params on purpose: test_diagnostics.py
+    r"ignore:with_loss_scaling. the params .* are b?float16:UserWarning")
+
 NAN, INF = float("nan"), float("inf")
 
 DONATING_JIT = functools.partial(jax.jit, donate_argnums=(1, 2))

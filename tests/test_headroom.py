@@ -37,6 +37,9 @@ from test_update_rule import FailClosed, f32
 import loss_scaling as ls
 from loss_scaling.core.update import backoff_now
 
+pytestmark = pytest.mark.filterwarnings(  # float16 params on purpose: test_diagnostics.py
+    r"ignore:with_loss_scaling. the params .* are b?float16:UserWarning")
+
 F32 = np.finfo(np.float32)
 TINY, F32_MAX = float(F32.tiny), float(F32.max)
 

@@ -24,6 +24,9 @@ from flax.training import train_state
 
 import loss_scaling as ls
 
+pytestmark = pytest.mark.filterwarnings(  # float16 params on purpose: test_diagnostics.py
+    r"ignore:with_loss_scaling. the params .* are b?float16:UserWarning")
+
 NAN, INF = float("nan"), float("inf")
 
 MAYBE_JIT = pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])

@@ -23,7 +23,7 @@ import loss_scaling as ls
 # Gradient and params trees in every float dtype on purpose: bfloat16 params warn at init
 # (tested in test_diagnostics.py).
 pytestmark = pytest.mark.filterwarnings(
-    r"ignore:with_loss_scaling. the params .* are bfloat16:UserWarning")
+    r"ignore:with_loss_scaling. the params .* are b?float16:UserWarning")
 
 NAN, INF = float("nan"), float("inf")
 

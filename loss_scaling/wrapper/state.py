@@ -125,12 +125,12 @@ LOW_PRECISION_STATE = (
 )
 
 
-BFLOAT16_PARAMS = (
-    "with_loss_scaling: the params {leaves} are bfloat16. bfloat16 keeps 8 significant bits, "
-    "so an update smaller than about 1/256 of a param rounds away (p + u == p): small "
-    "learning rates and late training stall, and loss scaling cannot help (it protects the "
-    "gradients, not the params). Keep float32 master params and compute in bfloat16 inside "
-    "the loss function (cast the params there)."
+NARROW_PARAMS = (
+    "with_loss_scaling: the params {leaves} are {dtype}. {dtype} keeps {bits} significant "
+    "bits, so an update smaller than about 1/{ratio} of a param rounds away (p + u == p): "
+    "small learning rates and late training stall, and loss scaling cannot help (it "
+    "protects the gradients, not the params). Keep float32 master params and compute in "
+    "{dtype} inside the loss function (cast the params there)."
 )
 
 NO_ZERO_PARAMS = (
@@ -216,7 +216,7 @@ def _refuse_dtypes_without_zero(params: Any) -> None:
 
 def _warn_low_precision_state(params: Any, inner_state: Any) -> None:
     """Host side, once at ``init``: narrow float params whose optimizer state is as narrow,
-    and bfloat16 params (a :class:`loss_scaling.LossScaleWarning` each)."""
+    and float16 or bfloat16 params (a :class:`loss_scaling.LossScaleWarning` each)."""
     def narrow(x: Any) -> bool:
         dtype = getattr(x, "dtype", None)
         return (dtype is not None and jnp.issubdtype(dtype, jnp.floating)
@@ -232,10 +232,14 @@ def _warn_low_precision_state(params: Any, inner_state: Any) -> None:
         warnings.warn(LOW_PRECISION_STATE.format(leaves=shown(names),
                                                  dtype=jnp.dtype(dtype).name),
                       _errors.LossScaleWarning, stacklevel=3)
-    bf16 = [name for name, leaf in named if getattr(leaf, "dtype", None) == jnp.bfloat16]
-    if bf16:  # whatever the optimizer: the params themselves lose the updates
-        warnings.warn(BFLOAT16_PARAMS.format(leaves=shown(bf16)), _errors.LossScaleWarning,
-                      stacklevel=3)
+        return
+    for dtype in (jnp.float16, jnp.bfloat16):  # whatever the optimizer: the params
+        held = [name for name, leaf in named if getattr(leaf, "dtype", None) == dtype]
+        if held:                                # themselves lose the updates
+            bits = jnp.finfo(dtype).nmant + 1
+            warnings.warn(NARROW_PARAMS.format(leaves=shown(held), dtype=jnp.dtype(dtype).name,
+                                               bits=bits, ratio=2**bits),
+                          _errors.LossScaleWarning, stacklevel=3)
 
 
 def failure_message(state: LossScalingState, names: list[str] | None = None) -> str:

@@ -107,9 +107,11 @@ def with_loss_scaling(
         measured faster for the path and backend, see the performance guide).
       on_failure: ``"record"`` (the default: the failure is state, raised on the host by
         :func:`loss_scaling.check`) or ``"raise"``: also raise at once, from a host
-        callback compiled into the step. Debugging only: any executable holding a
-        callback leaves JAX's fast dispatch path (every step pays about 1 ms of host
-        time), and a raise inside a donated step deletes the donated params and state.
+        callback compiled into the step (under ``jit``, JAX raises it as a
+        ``jax.errors.JaxRuntimeError`` whose text holds ``LossScaleError: ...``).
+        Debugging only: any executable holding a callback leaves JAX's fast dispatch
+        path (every step pays about 1 ms of host time), and a raise inside a donated step
+        deletes the donated params and state.
       max_consecutive_skips: optional guard for runs that cannot recover: after this many
         consecutive skipped steps the run fails (as above) with the count, the scale and
         the non-finite gradient leaves, instead of skipping forever. ``None`` (the
