@@ -11,6 +11,12 @@ nearest relative).
     python benchmarks/compile_time.py                        # 200, 1000 and 2000 leaves
     python benchmarks/compile_time.py --leaves 200 --rounds 5
     python benchmarks/compile_time.py --leaves 200 1000 --floors  # the minimal guards too
+    python benchmarks/compile_time.py --leaves 200 --parts        # what two parts cost
+
+``--parts`` measures the plain step with two of its parts taken out (monkeypatched while it
+is traced, so not a usable step): the exact re-check branch that runs when the sum screen
+fails, and the state bookkeeping after the step (the scale's update rule, the counters,
+the failure register, the per-leaf flags): what each costs to compile.
 
 ``--floors`` adds the least a guarded step can be, written by hand: one sum-of-squares
 screen of all the gradients concatenated and one ``lax.cond`` around bare Adam, then the
@@ -36,8 +42,8 @@ import loss_scaling as ls
 Step = Callable[[Any, Any, Any], tuple[Any, Any]]
 
 
-def variants(inner: optax.GradientTransformation,
-             floors: bool = False) -> dict[str, tuple[Step, Callable]]:
+def variants(inner: optax.GradientTransformation, floors: bool = False,
+             parts: bool = False) -> dict[str, tuple[Step, Callable]]:
     def bare(params, opt_state, grads):
         updates, opt_state = inner.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
@@ -65,7 +71,41 @@ def variants(inner: optax.GradientTransformation,
         table.update({name: (floor(factors), inner.init) for name, factors in
                       [("floor: screen + cond", 0), ("floor + unscale (1 multiply)", 1),
                        ("floor + unscale (2 multiplies)", 2)]})
+    if parts:
+        table.update({name: (without(*taken), tx.init) for name, taken in
+                      [("plain without the exact branch", (True, False)),
+                       ("plain without the bookkeeping", (False, True)),
+                       ("plain without both", (True, True))]})
     return table
+
+
+def without(exact_branch: bool, bookkeeping: bool) -> Step:
+    """The plain step with the exact re-check branch and/or the state bookkeeping taken
+    out while it is traced: an ablation, not a correct step."""
+    from loss_scaling.wrapper import screen
+    from loss_scaling.wrapper import step as step_module
+
+    tx = ls.with_loss_scaling(optax.adam(1e-3))
+
+    def no_exact_branch(leaves, groups, cleared, inverse, axis_name):
+        return jnp.zeros((len(leaves),), jnp.bool_), jnp.asarray(False)
+
+    def no_bookkeeping(options, state, inner_state, decision):
+        return state._replace(inner_state=inner_state, last_step_finite=decision.apply)
+
+    def step(params, opt_state, grads):
+        saved = screen._exact_flags, step_module._next_state
+        if exact_branch:
+            screen._exact_flags = no_exact_branch
+        if bookkeeping:
+            step_module._next_state = no_bookkeeping
+        try:
+            updates, opt_state = tx.update(grads, opt_state, params)
+        finally:
+            screen._exact_flags, step_module._next_state = saved
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
 
 
 def floor(factors: int) -> Step:
@@ -103,11 +143,11 @@ def compile_once(step: Step, init: Callable, params: Any) -> tuple[float, float]
     return traced - start, time.perf_counter() - traced
 
 
-def measure(leaves: int, rounds: int,
-            floors: bool = False) -> dict[str, list[tuple[float, float]]]:
+def measure(leaves: int, rounds: int, floors: bool = False,
+            parts: bool = False) -> dict[str, list[tuple[float, float]]]:
     params = {f"leaf_{i:04d}": jax.ShapeDtypeStruct((16, 33), jnp.float32)
               for i in range(leaves)}
-    table = variants(optax.adam(1e-3), floors)
+    table = variants(optax.adam(1e-3), floors, parts)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in table}
     for _ in range(rounds):
         for name, (step, init) in table.items():
@@ -135,12 +175,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--leaves", type=int, nargs="+", default=[200, 1000, 2000])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--parts", action="store_true",
+                        help="also the plain step without two of its parts (an ablation)")
     parser.add_argument("--floors", action="store_true",
                         help="also the minimal hand-written guarded steps")
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}")
     for leaves in args.leaves:
-        print(report(leaves, measure(leaves, args.rounds, args.floors)), flush=True)
+        print(report(leaves, measure(leaves, args.rounds, args.floors, args.parts)),
+              flush=True)
         print()
 
 
