@@ -52,7 +52,9 @@ SUSPICIOUS_SCALE = (
     "the loss scale grew {growths} times in a row without a single overflow (it is now "
     "{scale!r}). With a scaled loss the gradients grow with the scale and overflow sooner or "
     "later; when they never do, the loss was probably not scaled (differentiate "
-    "`loss_scaling.scale(state, loss)`, or use `loss_scaling.value_and_grad`), or the model "
+    "`loss_scaling.scale(state, loss)`, or use `loss_scaling.value_and_grad`), the "
+    "gradients were unscaled twice (`loss_scaling.unscale` before the optimizer wrapper, "
+    "which unscales them itself), or the model "
     "needs no loss scaling (use NoOpLossScale, or compute in bfloat16). Turn on "
     "`underflow_diagnostics=True` to see how much of the gradients float16 loses."
 )
@@ -190,3 +192,45 @@ def raise_in_graph(newly_failed: jax.Array, message: Callable[..., str], *values
 
     lax.cond(newly_failed, lambda *a: jax.debug.callback(host_check, *a), lambda *a: None,
              newly_failed, *values)
+
+
+NOT_A_SCALER = (
+    "{argument} must be a loss-scale state (NoOpLossScale, StaticLossScale or "
+    "DynamicLossScale), got {what}. An optimizer state built with `ls.with_loss_scaling` "
+    "(or a TrainState or nnx Optimizer around one) holds one: `ls.get_loss_scale(opt_state)` "
+    "returns it."
+)
+
+
+def not_a_scaler(argument: str, value: Any) -> TypeError:
+    """The error for ``argument``, which is not a loss-scale state (named by its type: a
+    whole optimizer state printed would bury the fix)."""
+    return TypeError(NOT_A_SCALER.format(argument=argument, what=describe(value)))
+
+
+# Methods of PyTorch's GradScaler (and Keras'), which these states do not have: the
+# functions that do the same, for the AttributeError a migrating user gets.
+_METHOD_HINTS = {
+    "scale": "`ls.scale(state, loss)`",
+    "unscale_": "nothing: the optax wrapper unscales the gradients itself "
+                "(`ls.unscale(state, grads)` to read them)",
+    "unscale": "`ls.unscale(state, grads)`",
+    "update": "`state = ls.update(state, grads_finite)`, which returns the next state",
+    "step": "`ls.apply_gradients(tx, grads, opt_state, params)` with "
+            "`tx = ls.with_loss_scaling(optimizer)`",
+    "get_scale": "`state.loss_scale`",
+    "get_growth_tracker": "`state.growth_tracker`",
+    "state_dict": "`ls.state_dict(state)`",
+    "load_state_dict": "`state = ls.from_state_dict(d)`",
+}
+
+
+def no_such_method(self: Any, name: str) -> Any:
+    """``__getattr__`` of the loss-scale states: a missing attribute, named with the
+    function to use when it is one of GradScaler's methods."""
+    hint = _METHOD_HINTS.get(name)
+    message = f"{type(self).__name__!r} object has no attribute {name!r}"
+    if hint:
+        message += (f": a loss-scale state is an immutable pytree read by functions, as "
+                    f"in optax; use {hint}")
+    raise AttributeError(message)

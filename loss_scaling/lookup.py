@@ -7,10 +7,7 @@ from typing import Any
 
 from loss_scaling import _registry
 from loss_scaling._errors import NoLossScaleFound
-from loss_scaling.core.scalers import (
-    DynamicLossScale,
-    LossScale,
-)
+from loss_scaling.core.scalers import SCALER_TYPES, DynamicLossScale, LossScale
 from loss_scaling.wrapper import state as wrapper_state
 from loss_scaling.wrapper.state import LossScalingState
 
@@ -53,7 +50,8 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
     "optimizer": nnx.state(optimizer)}`` an Orbax checkpoint saves).
 
     Args:
-      opt_state: an optimizer state, TrainState or nnx Optimizer.
+      opt_state: an optimizer state, TrainState or nnx Optimizer (a loss-scale state
+        itself is returned as it is).
       path: when there are several loss scales, which one: its key path as listed in the
         error message (e.g. ``".inner_states['generator'].inner_state"``), or any part of
         it that only one of them contains (e.g. ``"['generator']"``).
@@ -72,6 +70,8 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
       >>> float(ls.get_loss_scale(tx.init(jnp.zeros(3))).loss_scale)
       32768.0
     """
+    if isinstance(opt_state, SCALER_TYPES):  # already the loss scale (ls.check takes it too)
+        return opt_state
     scaler = _get_wrapper_state(opt_state, path).scaler
     if isinstance(scaler, DynamicLossScale) and scaler.config is None:
         raise ValueError(f"{_NO_CONFIG} Pass the optimizer itself instead.")

@@ -30,6 +30,14 @@ from loss_scaling.wrapper.state import (
 __all__ = ["check", "metrics", "nonfinite_grad_paths"]
 
 
+METRICS_OF_A_SCALER = (
+    "metrics(opt_state): got a {what}, a loss scale on its own. The metrics are the "
+    "optimizer wrapper's counters (skipped steps, failure, gradient norm): pass the "
+    "optimizer state of `ls.with_loss_scaling` (or a TrainState / nnx Optimizer holding "
+    "it). A loss scale's own values are `.loss_scale` and `.growth_tracker`."
+)
+
+
 def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
     """Arrays to log, read from the state without a host sync.
 
@@ -72,6 +80,8 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
        'nonfinite_grad_leaves': 0, 'failed': False, 'failure': 0, 'clean_growths': 0,
        'scale_suspicious': False, 'grad_norm': 0.0, 'replays': 0, 'last_step_replays': 0}
     """
+    if isinstance(opt_state, (NoOpLossScale, StaticLossScale, DynamicLossScale)):
+        raise TypeError(METRICS_OF_A_SCALER.format(what=type(opt_state).__name__))
     refuse_wrapper_inside_multisteps(opt_state)
     state = _get_wrapper_state(opt_state, path)
     scaler = state.scaler
@@ -228,6 +238,15 @@ def _effective_failure(failure: np.ndarray | None, scaler_failure: np.ndarray | 
     return np.asarray(out, np.int32)
 
 
+CHECK_UNDER_JIT = (
+    "ls.check raises on the host, so it cannot run inside jit (or another transformation): "
+    "call it outside the train step, where you log. Inside the step, "
+    "`ls.metrics(opt_state)[\"failed\"]` is the same fact as an array; "
+    "`with_loss_scaling(..., on_failure=\"raise\")` raises from the step itself "
+    "(debugging only: a host callback on every step)."
+)
+
+
 def check(state: Any, params: Any = None, path: str | None = None) -> None:
     """Raises :class:`loss_scaling.LossScaleError` on the host if the run has failed.
 
@@ -249,6 +268,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
 
     Raises:
       LossScaleError: with the full message, if the state has failed.
+      TypeError: when called inside ``jit`` (it reads the state on the host).
 
     Warns:
       LossScaleWarning: if the scale grew :data:`SUSPICIOUS_GROWTHS` (20) times in a row
@@ -271,6 +291,8 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
       ...
       loss_scaling.LossScaleError: loss scale backoff failed: ...
     """
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+        raise TypeError(CHECK_UNDER_JIT)
     if isinstance(state, NoOpLossScale):
         return
     if isinstance(state, (StaticLossScale, DynamicLossScale)):

@@ -8,7 +8,9 @@ inside ``MultiSteps``, bfloat16 params, the gradient norm and flax's fp8 layers.
 
 from __future__ import annotations
 
+import copy
 import functools
+import pickle
 
 import chex
 import jax
@@ -399,3 +401,62 @@ def test_a_wrong_opt_state_is_a_type_error_naming_opt_state_and_the_fix(maybe_ji
 def test_with_loss_scaling_names_inner_when_it_is_not_an_optimizer(inner, match):
     with pytest.raises(TypeError, match=r"with_loss_scaling\(inner, scaler\): " + match):
         ls.with_loss_scaling(inner)
+
+
+# ------------------------------- a migrating user's mistakes: errors that name the fix
+
+
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_scaler_functions_given_an_optimizer_state_name_get_loss_scale(maybe_jit):
+    opt_state = ls.with_loss_scaling(optax.adam(1e-3)).init({"w": jnp.ones(3)})
+    calls = {
+        "update": lambda s: ls.update(s, jnp.asarray(True)),
+        "scale": lambda s: ls.scale(s, jnp.float32(1.0)),
+        "unscale": lambda s: ls.unscale(s, jnp.ones(2)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=r"^state must be a loss-scale state .* got an "
+                           r"object of type loss_scaling\.wrapper\.state\.LossScalingState\. "
+                           r".*`ls\.get_loss_scale\(opt_state\)` returns it\.") as info:
+            maybe_jit(call)(opt_state)
+        # The type, not the whole state (jit appends a note on a line of its own).
+        assert len(str(info.value).splitlines()[0]) < 400, name
+    with pytest.raises(TypeError, match=r"state must be a loss-scale state"):
+        ls.state_dict(opt_state)
+    with pytest.raises(TypeError, match=r"^scaler must be a loss-scale state .*builtins\.dict"):
+        ls.with_loss_scaling(optax.sgd(1.0), {"loss_scale": 2.0})
+
+
+def test_a_loss_scale_is_its_own_loss_scale_and_has_no_metrics():
+    scaler = ls.DynamicLossScale(init_scale=8.0)
+    assert ls.get_loss_scale(scaler) is scaler
+    ls.check(scaler)
+    with pytest.raises(TypeError, match=r"got a DynamicLossScale, a loss scale on its own.*"
+                                        r"pass the optimizer state"):
+        ls.metrics(scaler)
+
+
+def test_check_inside_jit_says_it_is_host_side_and_what_to_use_instead():
+    opt_state = ls.with_loss_scaling(optax.sgd(1.0)).init(jnp.ones(2))
+    with pytest.raises(TypeError, match=r"cannot run inside jit.*ls\.metrics\(opt_state\)"
+                                        r"\[\"failed\"\].*on_failure=\"raise\""):
+        jax.jit(ls.check)(opt_state)
+    ls.check(opt_state)  # on the host: fine
+
+
+@pytest.mark.parametrize("scaler", [ls.NoOpLossScale(), ls.StaticLossScale(4.0),
+                                    ls.DynamicLossScale()], ids=lambda s: type(s).__name__)
+def test_gradscaler_methods_name_the_function_to_use(scaler):
+    hints = {"scale": r"ls\.scale\(state, loss\)", "unscale_": r"unscales the gradients itself",
+             "update": r"state = ls\.update\(state, grads_finite\)",
+             "get_scale": r"state\.loss_scale", "state_dict": r"ls\.state_dict\(state\)",
+             "load_state_dict": r"ls\.from_state_dict\(d\)", "step": r"ls\.apply_gradients"}
+    for method, hint in hints.items():
+        with pytest.raises(AttributeError, match=rf"no attribute '{method}': a loss-scale "
+                                                 rf"state is an immutable pytree.*{hint}"):
+            getattr(scaler, method)
+    with pytest.raises(AttributeError, match=r"no attribute 'nothing_of_the_kind'$"):
+        scaler.nothing_of_the_kind  # noqa: B018
+    assert getattr(scaler, "nothing_of_the_kind", None) is None
+    clone = pickle.loads(pickle.dumps(scaler))  # protocols still find what they look for
+    assert repr(clone) == repr(scaler) and repr(copy.deepcopy(scaler)) == repr(scaler)

@@ -29,7 +29,13 @@ from loss_scaling.checkpoint._values import (
     _prefixed,
     _scale,
 )
-from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from loss_scaling.core.scalers import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    require_scaler,
+)
 from loss_scaling.core.validation import (
     DynamicConfig,
     config_fields,
@@ -187,13 +193,8 @@ def _build(kind: str, config: DynamicConfig | None, values: dict[str, Any]) -> L
 
 
 def _kind(scaler: Any) -> str:
-    kind = _KIND_OF_TYPE.get(type(scaler))
-    if kind is None:
-        raise TypeError(
-            "expected a NoOpLossScale, StaticLossScale or DynamicLossScale, got "
-            f"{show(scaler)} of type {type(scaler).__name__}."
-        )
-    return kind
+    require_scaler("state", scaler)
+    return _KIND_OF_TYPE[type(scaler)]
 
 
 def _host_array(leaf: Any) -> np.ndarray:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import GetAttrKey
 
-from loss_scaling._errors import show
+from loss_scaling._errors import no_such_method, not_a_scaler, show
 from loss_scaling.core.validation import (
     DynamicConfig,
     config_fields,
@@ -69,6 +69,7 @@ class NoOpLossScale:
     __slots__ = ()
     __setattr__ = _frozen_setattr
     __delattr__ = _frozen_delattr
+    __getattr__ = no_such_method
 
     @property
     def loss_scale(self) -> jax.Array:
@@ -103,6 +104,7 @@ class StaticLossScale:
     __slots__ = ("loss_scale",)
     __setattr__ = _frozen_setattr
     __delattr__ = _frozen_delattr
+    __getattr__ = no_such_method
     loss_scale: jax.Array
 
     def __init__(self, loss_scale: float) -> None:
@@ -127,8 +129,9 @@ class DynamicLossScale:
       at ``hysteresis``); once it reaches ``hysteresis`` the scale is multiplied by
       ``backoff_factor`` on this and every further consecutive non-finite step. A clean
       step refills the hysteresis. ``min_scale`` clamps the backoff; without it, a backoff
-      below the normal float32 range is an error (:class:`LossScaleError` eagerly, a
-      run-time error under ``jit``), never a silent zero scale.
+      below the normal float32 range is a failure, never a silent zero scale: eagerly a
+      :class:`LossScaleError`; under ``jit`` recorded in the state (every later step
+      skipped), and :func:`loss_scaling.check` raises it on the host.
 
     Args:
       init_scale: the initial factor; finite, positive, normal as float32.
@@ -173,6 +176,7 @@ class DynamicLossScale:
                  "grad_max_history", "headroom_tracker", "ceiling", "config", "_names")
     __setattr__ = _frozen_setattr
     __delattr__ = _frozen_delattr
+    __getattr__ = no_such_method
     loss_scale: jax.Array
     growth_tracker: jax.Array
     nonfinite_tracker: jax.Array
@@ -281,6 +285,10 @@ and ``isinstance(s, ls.LossScale)``; :func:`loss_scale_for` picks one for a comp
 
 
 SCALER_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+
+def require_scaler(argument: str, value: Any) -> None:
+    if not isinstance(value, SCALER_TYPES):
+        raise not_a_scaler(argument, value)
 """The three kinds, for ``isinstance`` checks."""
 
 

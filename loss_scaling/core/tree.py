@@ -31,16 +31,17 @@ from loss_scaling.core.numerics import (
     reciprocal,
     unscale_tree,
 )
-from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from loss_scaling.core.scalers import (
+    LossScale,
+    NoOpLossScale,
+    require_scaler,
+)
 
 __all__ = ["all_finite", "grads_max", "scale", "unscale"]
 
 
 def _check_state(state: Any) -> None:
-    if not isinstance(state, (NoOpLossScale, StaticLossScale, DynamicLossScale)):
-        raise TypeError(
-            f"state must be a NoOpLossScale, StaticLossScale or DynamicLossScale, got {state!r}."
-        )
+    require_scaler("state", state)
 
 
 @jax.jit
@@ -65,10 +66,13 @@ def scale(state: LossScale, tree: Any) -> Any:
 
     Leaves are computed and returned in at least float32 (complex64 for complex leaves),
     so a float16 loss is never overflowed by the multiplication itself. With
-    :class:`NoOpLossScale` the tree is returned as it is.
+    :class:`NoOpLossScale` the tree is returned as it is. Integer and bool leaves (an
+    integer loss such as ``3`` included) are not floating and pass through unscaled, as
+    they have no gradient.
 
     Args:
-      state: a loss-scale state.
+      state: a loss-scale state (``ls.get_loss_scale(opt_state)`` reads it from an
+        optimizer state).
       tree: a scalar loss or any pytree.
 
     Returns:

@@ -11,7 +11,7 @@ import numpy as np
 from jax import lax
 
 from loss_scaling import _errors
-from loss_scaling._errors import Failure
+from loss_scaling._errors import Failure, not_a_scaler
 from loss_scaling.core.scalers import (
     DynamicLossScale,
     LossScale,
@@ -335,9 +335,7 @@ def update(
         _as_grads_max(state, grads_max)
         return state
     if not isinstance(state, DynamicLossScale):
-        raise TypeError(
-            f"state must be a NoOpLossScale, StaticLossScale or DynamicLossScale, got {state!r}."
-        )
+        raise not_a_scaler("state", state)
     finite = _as_finite_flag(grads_finite)
     peak = _as_grads_max(state, grads_max)
     new_state, fails = _run(state, finite, peak)

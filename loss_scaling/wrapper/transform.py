@@ -31,7 +31,7 @@ from loss_scaling import _errors
 from loss_scaling.core import update as scalers
 from loss_scaling.core import validation
 from loss_scaling.core.numerics import AxisName
-from loss_scaling.core.scalers import SCALER_TYPES, DynamicLossScale, LossScale
+from loss_scaling.core.scalers import SCALER_TYPES, DynamicLossScale, LossScale, require_scaler
 from loss_scaling.wrapper.state import (
     MAX_REPLAYS,
     LossScalingState,
@@ -182,10 +182,7 @@ def with_loss_scaling(
         "one more forward and backward pass of an overflowed batch.")
     if scaler is None:
         scaler = DynamicLossScale()
-    if not isinstance(scaler, SCALER_TYPES):
-        raise TypeError(
-            f"scaler must be a NoOpLossScale, StaticLossScale or DynamicLossScale, got {scaler!r}."
-        )
+    require_scaler("scaler", scaler)
     if isinstance(axis_name, list):
         axis_name = tuple(axis_name)
     inner = optax.with_extra_args_support(inner)
