@@ -15,6 +15,7 @@ import optax
 from loss_scaling import _errors
 from loss_scaling.core import update as scalers
 from loss_scaling.core.scalers import (
+    SCALER_TYPES,
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
@@ -80,7 +81,7 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
        'nonfinite_grad_leaves': 0, 'failed': False, 'failure': 0, 'clean_growths': 0,
        'scale_suspicious': False, 'grad_norm': 0.0, 'replays': 0, 'last_step_replays': 0}
     """
-    if isinstance(opt_state, (NoOpLossScale, StaticLossScale, DynamicLossScale)):
+    if isinstance(opt_state, SCALER_TYPES):
         raise TypeError(METRICS_OF_A_SCALER.format(what=type(opt_state).__name__))
     refuse_wrapper_inside_multisteps(opt_state)
     state = _get_wrapper_state(opt_state, path)

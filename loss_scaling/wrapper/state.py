@@ -313,15 +313,20 @@ def refuse_wrapper_inside_multisteps(opt_state: Any) -> None:
 def _multisteps_around_a_wrapper(tree: Any) -> bool:
     """The common answer, no, without key paths: it stops at the outermost states (an
     eager `ls.value_and_grad` pays this on every call, 7 ms for 1,000 leaves with paths)."""
+    def is_wrapper(x: Any) -> bool:
+        return isinstance(x, LossScalingState)
+
     for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(
             x, (optax.MultiStepsState, LossScalingState))):
-        inner = x.inner_opt_state if isinstance(x, optax.MultiStepsState) else getattr(
-            x, "inner_state", None)
-        if isinstance(x, optax.MultiStepsState) and any(
-                isinstance(y, LossScalingState) for y in jax.tree.leaves(
-                    inner, is_leaf=lambda y: isinstance(y, LossScalingState))):
-            return True
-        if inner is not None and _multisteps_around_a_wrapper(inner):
+        if isinstance(x, optax.MultiStepsState):
+            if any(map(is_wrapper, jax.tree.leaves(x.inner_opt_state, is_leaf=is_wrapper))):
+                return True
+            inner = x.inner_opt_state
+        elif is_wrapper(x):
+            inner = x.inner_state
+        else:
+            continue
+        if _multisteps_around_a_wrapper(inner):
             return True
     return False
 
