@@ -11,6 +11,12 @@ ratio of the total to the bare step's.
 
     python benchmarks/train_step_compile.py                     # 12 layers, 3 rounds
     python benchmarks/train_step_compile.py --layers 4 --rounds 5
+    python benchmarks/train_step_compile.py --counts   # what XLA compiled, no timing
+
+``--counts`` prints, instead of times, what the compiled program holds: its kernels (XLA
+fusions), HLO instructions and conditionals. On a busy machine compile times swing by 2x
+between runs; these counts are the same on every run and follow compile time (on XLA CPU
+each kernel is a function that LLVM compiles), so a change can be judged by them first.
 
 The variants:
 
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -187,6 +194,29 @@ def measure(layers: int, rounds: int, names: list[str] | None = None
     return len(jax.tree.leaves(params)), times
 
 
+def counts(layers: int, names: list[str] | None = None) -> str:
+    """Kernels, HLO instructions and conditionals of each variant's compiled step."""
+    model = GPT(layers)
+    tokens = jnp.zeros((4, model.length + 1), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens[:, :-1])["params"]
+    table = variants(model)
+    lines = [f"GPT, {layers} layers ({len(jax.tree.leaves(params))} param leaves): what "
+             "the compiled step holds",
+             f"{'variant':24s} {'kernels':>8s} {'/ bare':>7s} {'HLO instr':>10s} "
+             f"{'/ bare':>7s} {'conds':>6s}"]
+    base: tuple[int, int] | None = None
+    for name in names or table:
+        step, make = table[name]
+        state = jax.eval_shape(make, params)
+        hlo = jax.jit(step, donate_argnums=0).lower(state, tokens).compile().as_text()
+        kernels = hlo.count("kind=k")  # kLoop, kInput, kOutput fusions
+        instructions = len(re.findall(r"^\s+(?:ROOT )?%?[\w.-]+ = ", hlo, re.M))
+        base = base or (kernels, instructions)
+        lines.append(f"{name:24s} {kernels:8d} {kernels / base[0]:7.2f} {instructions:10d} "
+                     f"{instructions / base[1]:7.2f} {hlo.count(' conditional('):6d}")
+    return "\n".join(lines)
+
+
 def report(layers: int, leaves: int, times: dict[str, list[tuple[float, float]]]) -> str:
     total = {name: statistics.median(t + c for t, c in runs) for name, runs in times.items()}
     base = total.get("bare", next(iter(total.values())))
@@ -207,11 +237,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[12])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--counts", action="store_true",
+                        help="print the compiled programs' kernel and instruction counts "
+                             "(deterministic) instead of timing compiles")
     parser.add_argument("--only", nargs="+", default=None, metavar="VARIANT",
                         help="measure these variants only (names as in the table)")
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}")
     for layers in args.layers:
+        if args.counts:
+            print(counts(layers, args.only), flush=True)
+            print()
+            continue
         leaves, times = measure(layers, args.rounds, args.only)
         print(report(layers, leaves, times), flush=True)
         print()
