@@ -25,7 +25,6 @@ import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from flax import nnx

@@ -123,7 +123,7 @@ class Interpreter:
         if const_origins is not None:
             src.update(zip(jaxpr.constvars, const_origins, strict=True))
         for eqn in jaxpr.eqns:
-            invals, inorigins = zip(*map(read, eqn.invars)) if eqn.invars else ((), ())
+            invals, inorigins = zip(*map(read, eqn.invars), strict=True) if eqn.invars else ((), ())
             with eqn.ctx.manager:
                 outvals, outorigins = self._eval(eqn, list(invals), list(inorigins),
                                                  where.inside(eqn))
@@ -192,7 +192,8 @@ class Interpreter:
                 stack.append(y)
             for stack, o in zip(ys_o, out_o[n_carry:], strict=True):
                 stack.append(o)
-        stacked, stacked_o = [], []
+        stacked: list[Any] = []
+        stacked_o: list[Any] = []
         for var, stack, stack_o in zip(eqn.outvars[n_carry:], ys, ys_o, strict=True):
             if p["reverse"]:
                 stack, stack_o = stack[::-1], stack_o[::-1]

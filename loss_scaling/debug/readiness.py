@@ -260,10 +260,10 @@ def _table(records: list[tuple[str, str, str, str, str, Any, Any]], scale: float
             row["size"] += int(size)
     rows = [_row(layer, row) for layer, row in layers.items()]
     rows.sort(key=lambda r: r.headroom)
-    room = min((r.backward_headroom for r in rows if r.backward_max > 0), default=None)
+    tightest = min((r.backward_headroom for r in rows if r.backward_max > 0), default=None)
     table_scale = None  # no backward values, or some already overflowed at this scale
-    if room is not None and math.isfinite(room):
-        table_scale = scale * 2.0 ** math.floor(room)
+    if tightest is not None and math.isfinite(tightest):
+        table_scale = scale * 2.0 ** math.floor(tightest)
     return Float16Report(tuple(rows), scale, None, None, table_scale, hypothetical)
 
 
