@@ -518,14 +518,32 @@ STEP_TEXT = textwrap.dedent('''
         text = train_step.lower(optimizer, model, x).as_text(debug_info=True)
         return text, (loss_fn, optimizer, model, x)
 
+    def fused_step_text():  # the fused path: ls.apply_gradients, plain params
+        params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
+        tx = ls.with_loss_scaling(optax.adam(1e-3), ls.DynamicLossScale())
+        loss_fn = lambda p, x: jnp.sum((x @ p["w"].astype(jnp.float16)).astype(jnp.float32))
+
+        @jax.jit
+        def train_step(params, opt_state, x):
+            loss, grads = ls.value_and_grad(loss_fn)(opt_state, params, x)
+            return ls.apply_gradients(tx, grads, opt_state, params, loss=loss)
+
+        x = jnp.ones((2, 4), jnp.float16)
+        opt_state = tx.init(params)
+        return train_step.lower(params, opt_state, x).as_text(debug_info=True), (
+            loss_fn, opt_state, params, x)
+
     texts = []
     for use_the_feature in (False, True):  # one call site: the locations are the same
         if use_the_feature:
             assert "loss_scaling.debug" not in sys.modules
             assert ls.find_overflow(*args).phase == "backward"  # 2 * 2**15 in float16
-            ls.float16_report(*args)
+            ls.float16_report(*args)  # it compiles the real step of its own
+            assert ls.find_overflow(*fused_args).phase == "backward"
+            ls.float16_report(*fused_args)
         text, args = step_text()
-        texts.append(text)
+        fused, fused_args = fused_step_text()
+        texts.append(text + fused)
     assert "callback" not in texts[1]
     print(texts[0] == texts[1])
 ''')
