@@ -159,7 +159,7 @@ class Interpreter:
 
     def _origin(self, eqn: Any, invals: list[Any], origins: list[Any], index: int, out: Any,
                 where: Where) -> Any:
-        if not is_float(out) or bool(jnp.all(jnp.isfinite(out))):
+        if not is_float(out) or all_finite(out):
             return None
         bad = ~jnp.isfinite(out)
         if any(o is not None for o in origins):
@@ -297,10 +297,19 @@ def _dot_general(eqn: Any, origins: list[Any], shape: tuple[int, ...]) -> Any:
     return came
 
 
+def all_finite(x: Any) -> bool:
+    """Whether every entry of a floating array is finite (read on the host: an eager
+    ``jnp`` test would compile once per shape, the bulk of a first run's time)."""
+    try:
+        return bool(np.isfinite(np.asarray(x)).all())
+    except TypeError:  # a dtype numpy cannot test
+        return bool(jnp.all(jnp.isfinite(x)))
+
+
 def arguments(xs: Sequence[Any]) -> list[Any]:
     """The origins of a jaxpr's arguments: :data:`ARGUMENT` at their non-finite entries."""
     return [jnp.where(jnp.isfinite(x), FINITE, ARGUMENT).astype(jnp.int32)
-            if is_float(x) and not bool(jnp.all(jnp.isfinite(x))) else None for x in xs]
+            if is_float(x) and not all_finite(x) else None for x in xs]
 
 
 def is_float(x: Any) -> bool:

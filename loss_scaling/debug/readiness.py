@@ -203,7 +203,7 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
     outcome = _trace.run(p, visit, fresh)
     reaching = outcome.reaching()
     hypothetical = not any(r[1] == "forward" and r[4] in NARROW for r in records)
-    stats = jax.device_get([r[5] for r in records])
+    stats = [r[5] for r in records]
     scale_value = _trace.scale_value(p)
     notes = []
     masked = sum(1 for r in records if r[6] is not None
@@ -213,7 +213,8 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
                      "gradient (masked away): left out")
     fills = sum(int(s[3]) for s in stats)
     if fills:
-        notes.append(f"{fills} saturated entries (a finfo.min mask fill): left out")
+        notes.append(f"{fills} saturated entries (at their dtype's largest magnitude, as a "
+                     "finfo.min mask fill is): left out")
     table = _table([(*r[:5], s, r[6]) for r, s in zip(records, stats, strict=True)],
                    scale_value, reaching, hypothetical)
     if hypothetical:
@@ -223,21 +224,25 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
                                notes=tuple(notes))
 
 
-@jax.jit
-def _reduce(x: Any) -> Any:
-    """One compiled kernel per shape and dtype: the finite maximum, the small, the zeros.
+_F32_FILLS = np.array(sorted({min(v, float(np.finfo(np.float32).max)) for v in _FILLS}),
+                      np.float32)
 
-    Non-finite entries count as neither (their relevance is known at the end of the run);
-    saturated entries (a dtype's largest magnitude: mask fills) are counted apart.
+
+def _reduce(x: Any) -> tuple[float, int, int, int, int]:
+    """The finite maximum, the small entries, the zeros, the saturated ones, the size.
+
+    Read on the host (an eager or jitted reduction would compile once per shape and
+    dtype, the bulk of a first run's time). Non-finite entries count as none of these
+    (whether they matter is known at the end of the run); saturated entries (a dtype's
+    largest magnitude: a mask fill) are counted apart.
     """
-    magnitude = jnp.abs(x).astype(jnp.float32)
-    fill = jnp.zeros(x.shape, bool)
-    for value in _FILLS:
-        fill = fill | (magnitude == jnp.float32(min(value, float(np.finfo(np.float32).max))))
-    finite = jnp.isfinite(magnitude) & ~fill
-    top = jnp.max(jnp.where(finite, magnitude, 0))
-    small = jnp.sum(finite & (magnitude > 0) & (magnitude < F16_TINY))
-    return top, small, jnp.sum(finite & (magnitude == 0)), jnp.sum(fill), x.size
+    magnitude = np.abs(np.asarray(x)).astype(np.float32)
+    fill = np.isin(magnitude, _F32_FILLS)
+    finite = np.isfinite(magnitude) & ~fill
+    kept = magnitude[finite]
+    top = float(kept.max()) if kept.size else 0.0
+    small = int(np.count_nonzero((kept > 0) & (kept < F16_TINY)))
+    return top, small, int(np.count_nonzero(kept == 0)), int(np.count_nonzero(fill)), x.size
 
 
 def _table(records: list[tuple[str, str, str, str, str, Any, Any]], scale: float,
