@@ -10,7 +10,9 @@ script times each on
   sequence 32, vocabulary 128, batch 2, a causal finfo.min mask, pre-LayerNorm),
 
 against one eager forward + backward (``jax.value_and_grad`` called without ``jit``, warm:
-its second call). Each tool is timed on its first call (what a user waits for: it
+the best of three calls after the first; a ``lax.scan`` called eagerly is traced and
+compiled on every call, so the scanned model's eager step is slow), and beside it the
+jitted step. Each tool is timed on its first call (what a user waits for: it
 includes the eager compiles of each primitive's shapes) and on its second.
 
     python benchmarks/debug_cost.py            # both models
@@ -96,15 +98,19 @@ def measure(name: str, loss_fn: Callable[..., Any], args: tuple[Any, ...]) -> No
     step = lambda: jax.value_and_grad(loss_fn)(*args)  # noqa: E731  (eager: no jit)
     cold = seconds(step)
     warm = min(seconds(step) for _ in range(3))
+    jitted = jax.jit(jax.value_and_grad(loss_fn))
+    compiled = seconds(lambda: jitted(*args))
+    fast = min(seconds(lambda: jitted(*args)) for _ in range(3))
     print(f"{name}: one eager forward + backward {warm * 1e3:.0f} ms "
-          f"(first call {cold * 1e3:.0f} ms)")
+          f"(first call {cold * 1e3:.0f} ms); jitted {fast * 1e3:.1f} ms "
+          f"(compile and first call {compiled:.1f} s)")
     for tool in (ls.find_overflow, ls.float16_report):
         def run(tool: Callable[..., Any] = tool) -> None:
             tool(loss_fn, *args, scale=2.0**15)
 
         first, second = seconds(run), seconds(run)
-        print(f"  {tool.__name__:14s} first call {first:6.1f} s = {first / warm:5.0f}x, "
-              f"second call {second:6.1f} s = {second / warm:5.0f}x")
+        print(f"  {tool.__name__:14s} first call {first:6.1f} s = {first / warm:5.1f}x, "
+              f"second call {second:6.1f} s = {second / warm:5.1f}x")
 
 
 def main(argv: list[str] | None = None) -> None:

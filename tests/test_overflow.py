@@ -340,6 +340,70 @@ def test_the_jax_internals_the_interpreter_relies_on():
     assert [type(e).__name__ for e in eqn.source_info.name_stack.stack] == []
 
 
+# ------------------------------------------------- which non-finite values count
+
+
+def masked_log_then_real_exp(w, x):
+    a = jnp.log(x)  # x[0] = 0: -inf at entry 0, masked below (harmless)
+    b = jnp.exp(w * x)  # entry 1 overflows float16: the real one
+    d = jnp.where(jnp.array([False, True]), a + b, 0)  # entry 0 dropped, entry 1 kept
+    return jnp.sum(d.astype(F32))
+
+
+@pytest.mark.parametrize("wrap", ["plain", "jit", "scan", "cond", "checkpoint"])
+def test_entries_are_followed_one_by_one_and_the_real_overflow_is_named(wrap):
+    """The -inf of ``log`` and the inf of ``exp`` meet in one array, in different entries:
+    only the entry that reaches the loss counts, inside any higher-order primitive."""
+    f = masked_log_then_real_exp
+    loss_fn = {
+        "plain": f, "jit": jax.jit(f), "checkpoint": jax.checkpoint(f),
+        "scan": lambda w, x: jax.lax.scan(lambda c, _: (c + f(w, x), None),
+                                          jnp.zeros((), F32), None, length=2)[0],
+        "cond": lambda w, x: jax.lax.cond(w > 0, f, lambda *_: jnp.zeros((), F32), w, x)}[wrap]
+    x = jnp.array([0.0, 12.0], F16)
+    report = ls.find_overflow(loss_fn, jnp.asarray(1.0, F16), x)
+    assert (report.phase, report.primitive, report.reaches) == ("forward", "exp",
+                                                                "loss and gradients"), report
+    assert any(n.startswith("forward log") for n in report.notes), report
+    assert not ls.find_overflow(loss_fn, jnp.asarray(1.0, F16), jnp.array([0.0, 1.0], F16))
+
+
+def test_a_non_finite_argument_is_reported_only_if_it_matters():
+    # where(isfinite(x), x * w, 0) would not do: its gradient is 0 * NaN = NaN
+    loss_fn = lambda w, x: jnp.sum(jnp.where(jnp.isfinite(x), x, 0.0) * w)  # noqa: E731
+    x = jnp.array([jnp.nan, 1.0])
+    assert not ls.find_overflow(loss_fn, jnp.ones(2), x)  # the NaN is selected away
+    report = ls.find_overflow(lambda w, x: jnp.sum(x * w), jnp.ones(2), x)
+    assert report.found and report.primitive is None and not report.inputs_finite
+    assert "already holds an inf or NaN" in str(report), report
+
+
+def test_never_a_later_equation_than_the_first_that_matters():
+    """The first overflow that reaches the loss is ``x * 3e4`` (entry 1); a later, larger
+    overflow of the same entry (``exp``) only carries it on."""
+    def loss_fn(w, x):
+        h = x * w  # entry 1: 4 * 3e4 overflows float16 here
+        return jnp.sum(jnp.exp(h).astype(F32))
+
+    report = ls.find_overflow(loss_fn, jnp.asarray(3e4, F16), jnp.array([0.0, 4.0], F16))
+    assert report.primitive == "mul" and report.phase == "forward", report
+
+
+def test_the_parameters_the_origin_rules_rely_on():
+    """Pins what ``_interpret._propagate`` reads, and that each named primitive exists."""
+    def f(x, i):
+        y = jnp.einsum("ij,jk->ik", x, x)
+        return jnp.cumsum(jnp.sum(y, axis=0))[i] + x[jnp.array([0, 1]), 0].sum()
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 2)), 1)
+    params = {e.primitive.name: e.params for e in jaxpr.jaxpr.eqns}
+    assert "dimension_numbers" in params["dot_general"]
+    assert "axes" in params["reduce_sum"]
+    assert {"axis", "reverse"} <= params["cumsum"].keys()
+    assert "fill_value" in params["gather"]
+    assert {"dot_general", "reduce_sum", "cumsum", "gather"} <= set(params)
+
+
 # ------------------------------------------------------------------ 8 virtual devices
 
 SHARDED = textwrap.dedent('''
