@@ -202,6 +202,8 @@ def test_bad_arguments_get_errors_that_say_what_to_pass():
         ls.find_overflow(lambda w: w)
     with pytest.raises(ValueError, match=r"scale=-1\.0: pass a positive"):
         ls.find_overflow(lambda w: jnp.sum(w), jnp.ones(2), scale=-1.0)
+    with pytest.raises(TypeError, match=r"traced value \(argument 1\).*outside jit"):
+        jax.jit(lambda w: ls.float16_report(jnp.sum, w).scale)(jnp.ones(2))
 
 
 # ------------------------------------------------------------- loops, remat, custom rules
@@ -362,8 +364,9 @@ def test_entries_are_followed_one_by_one_and_the_real_overflow_is_named(wrap):
         "cond": lambda w, x: jax.lax.cond(w > 0, f, lambda *_: jnp.zeros((), F32), w, x)}[wrap]
     x = jnp.array([0.0, 12.0], F16)
     report = ls.find_overflow(loss_fn, jnp.asarray(1.0, F16), x)
-    assert (report.phase, report.primitive, report.reaches) == ("forward", "exp",
-                                                                "loss and gradients"), report
+    # (under checkpoint the backward pass recomputes exp: the gradient's inf is that one's)
+    assert (report.phase, report.primitive) == ("forward", "exp"), report
+    assert report.reaches.startswith("loss"), report
     assert any(n.startswith("forward log") for n in report.notes), report
     assert not ls.find_overflow(loss_fn, jnp.asarray(1.0, F16), jnp.array([0.0, 1.0], F16))
 
@@ -393,7 +396,7 @@ def test_the_parameters_the_origin_rules_rely_on():
     """Pins what ``_interpret._propagate`` reads, and that each named primitive exists."""
     def f(x, i):
         y = jnp.einsum("ij,jk->ik", x, x)
-        return jnp.cumsum(jnp.sum(y, axis=0))[i] + x[jnp.array([0, 1]), 0].sum()
+        return jax.lax.cumsum(jnp.sum(y, axis=0))[i] + x[jnp.array([0, 1]), 0].sum()
 
     jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 2)), 1)
     params = {e.primitive.name: e.params for e in jaxpr.jaxpr.eqns}

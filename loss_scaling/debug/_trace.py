@@ -44,6 +44,14 @@ NO_ARGUMENTS = (
 )
 
 
+TRACED = (
+    "find_overflow / float16_report got a traced value ({what}): they run eagerly, one "
+    "primitive at a time, on concrete arrays. Call them outside jit / grad / vmap, next "
+    "to the training loop, e.g. `ls.find_overflow(loss_fn, params, batch)` with the "
+    "step's params and batch."
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """What to run: ``loss_fn``'s arguments, the scaler, and the nnx ``wrt`` filter."""
@@ -80,6 +88,10 @@ def problem(loss_fn: Callable[..., Any], args: tuple[Any, ...], scale: Any,
     """Splits off a leading holder of the loss scale and settles the scale to use."""
     if not args:
         raise TypeError(NO_ARGUMENTS)
+    for what, value in (("scale", scale), *((f"argument {i + 1}", a)
+                                            for i, a in enumerate(args))):
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(value)):
+            raise TypeError(TRACED.format(what=what))
     held, wrt = _held_scale(args[0]), None
     if _is_nnx_optimizer(args[0]):
         wrt, args = args[0].wrt, args[1:]
