@@ -84,7 +84,7 @@ def zoo_largest() -> tuple[Callable[..., Any], tuple[Any, ...]]:
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
     import test_debug_zoo
 
-    case = test_debug_zoo.ZOO["plain_scan_transformer"]
+    case = test_debug_zoo.case_of("plain_scan_transformer")
     return case.loss_fn, case.args
 
 

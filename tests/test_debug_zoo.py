@@ -18,6 +18,7 @@ are tiny and equal (4) so that the eager interpreter's per-shape compiles are sh
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -277,36 +278,62 @@ def t5_params():
             "wi_1": {"kernel": jnp.full((D, D), 300.0)}, "wo": params["wo"]}
 
 
-def zoo() -> dict[str, Case]:
-    nnx_loss = lambda m, tokens: lm_loss(m(tokens))  # noqa: E731
+def _nnx_loss(m, tokens):
+    return lm_loss(m(tokens))
+
+
+def _module_loss(m, x):
+    return sum_loss(m(x))
+
+
+def _t5() -> Case:
     t5 = T5FeedForward()
-    return {
-        # healthy
-        "nnx_causal_lm_finfo_min_mask": Case("nnx", nnx_loss, (NnxLM(), TOKENS)),
-        "plain_softmax_where": Case("plain", where_attention_loss, (init_plain(), TOKENS)),
-        "eqx_layernorm": Case("equinox", lambda m, x: sum_loss(m(x)), (EqxNet(), X[0])),
-        "linen_batchnorm_layernorm": linen_case(LinenNormMLP(), X[0], stats=True),
-        "plain_scan_transformer": Case("plain", scanned_loss, (init_plain(3, 1), TOKENS)),
-        "plain_checkpoint": Case("plain", checkpoint_loss, (init_plain(2, 2), TOKENS)),
-        # forward overflows
-        "linen_t5_gated_ff": Case(
-            "linen", lambda p, x: sum_loss(t5.apply({"params": p}, x)), (t5_params(), X[0]),
-            "forward", "T5FeedForward/gated", "mul"),
-        "nnx_unscaled_qk": Case("nnx", nnx_loss, (NnxLM(unscaled=True, big=150.0), TOKENS),
-                                "forward", "attn", "dot_general"),
-        "eqx_second_block_after_layernorm": Case(
-            "equinox", lambda m, x: sum_loss(m(x)), (EqxNet(big=6e4), X[0]),
-            "forward", "blocks.1", "dot_general"),
-        # backward overflows at 2**15
-        "nnx_backward_only": Case("nnx", lambda m, x: sum_loss(m(x)), (NnxChain(), SMALL),
-                                  "backward", "mid", "dot_general"),
-        "linen_inf_mask_and_backward": linen_case(
-            LinenMaskedAmp(), SMALL[:, None, :] * jnp.ones((1, D, 1), F16), "backward",
-            "LinenMaskedAmp/amp", "dot_general"),
-    }
+    return Case("linen", lambda p, x: sum_loss(t5.apply({"params": p}, x)),
+                (t5_params(), X[0]), "forward", "T5FeedForward/gated", "mul")
 
 
-ZOO = zoo()
+# Built when first used (a module-level zoo would cost every collection its inits).
+BUILDERS: dict[str, Callable[[], Case]] = {
+    # healthy
+    "nnx_causal_lm_finfo_min_mask": lambda: Case("nnx", _nnx_loss, (NnxLM(), TOKENS)),
+    "plain_softmax_where": lambda: Case("plain", where_attention_loss,
+                                        (init_plain(), TOKENS)),
+    "eqx_layernorm": lambda: Case("equinox", _module_loss, (EqxNet(), X[0])),
+    "linen_batchnorm_layernorm": lambda: linen_case(LinenNormMLP(), X[0], stats=True),
+    "plain_scan_transformer": lambda: Case("plain", scanned_loss,
+                                           (init_plain(3, 1), TOKENS)),
+    "plain_checkpoint": lambda: Case("plain", checkpoint_loss, (init_plain(2, 2), TOKENS)),
+    # forward overflows
+    "linen_t5_gated_ff": _t5,
+    "nnx_unscaled_qk": lambda: Case("nnx", _nnx_loss,
+                                    (NnxLM(unscaled=True, big=150.0), TOKENS),
+                                    "forward", "attn", "dot_general"),
+    "eqx_second_block_after_layernorm": lambda: Case(
+        "equinox", _module_loss, (EqxNet(big=6e4), X[0]), "forward", "blocks.1",
+        "dot_general"),
+    # backward overflows at 2**15
+    "nnx_backward_only": lambda: Case("nnx", _module_loss, (NnxChain(), SMALL),
+                                      "backward", "mid", "dot_general"),
+    "linen_inf_mask_and_backward": lambda: linen_case(
+        LinenMaskedAmp(), SMALL[:, None, :] * jnp.ones((1, D, 1), F16), "backward",
+        "LinenMaskedAmp/amp", "dot_general"),
+}
+
+
+@functools.cache
+def case_of(name: str) -> Case:
+    return BUILDERS[name]()
+
+
+class _Zoo(dict):
+    """``ZOO[name]``: the case, built on first use."""
+
+    def __missing__(self, name: str) -> Case:
+        return case_of(name)
+
+
+ZOO = _Zoo()
+NAMES = list(BUILDERS)
 
 
 def differentiable(case: Case) -> tuple[Any, Callable[[Any], Any]]:
@@ -335,6 +362,9 @@ def brute_force(case: Case) -> list[int]:
 
 
 TRUTH = {}
+# The zoo runs whole (CI runs every test); the quick subset (`-m "not slow"`) keeps the
+# three defect tests below that are not marked: a zoo model each way costs ~10 s of CPU.
+SLOW = pytest.mark.slow
 
 
 def truth(name: str) -> list[int]:
@@ -343,7 +373,8 @@ def truth(name: str) -> list[int]:
     return TRUTH[name]
 
 
-@pytest.mark.parametrize("name", list(ZOO))
+@SLOW
+@pytest.mark.parametrize("name", NAMES)
 def test_the_zoo_is_what_it_says_by_brute_force(name):
     case, trains = ZOO[name], truth(name)
     if case.broken == "forward":
@@ -354,7 +385,8 @@ def test_the_zoo_is_what_it_says_by_brute_force(name):
         assert trains and 0 in trains, trains
 
 
-@pytest.mark.parametrize("name", list(ZOO))
+@SLOW
+@pytest.mark.parametrize("name", NAMES)
 def test_find_overflow_names_the_true_layer_and_phase_and_nothing_on_healthy_models(name):
     case, trains = ZOO[name], truth(name)
     scale = 2.0 ** (15 if case.broken else min(15, max(trains)))  # a scale that trains
@@ -367,7 +399,8 @@ def test_find_overflow_names_the_true_layer_and_phase_and_nothing_on_healthy_mod
     assert report.dtype == "float16" and report.file == __file__, report
 
 
-@pytest.mark.parametrize("name", list(ZOO))
+@SLOW
+@pytest.mark.parametrize("name", NAMES)
 def test_float16_report_agrees_with_brute_force(name):
     case, trains = ZOO[name], truth(name)
     table = ls.float16_report(case.loss_fn, *case.args, scale=2.0**15)
@@ -399,6 +432,7 @@ def test_softmax_where_on_finite_inputs_is_not_an_overflow():
     assert not ls.find_overflow(case.loss_fn, *case.args, scale=2.0**10)
 
 
+@SLOW
 def test_eqx_layernorm_is_healthy_and_a_later_blocks_overflow_is_named():
     healthy = ZOO["eqx_layernorm"]
     assert not ls.find_overflow(healthy.loss_fn, *healthy.args)  # jnp.var's NaN: selected
@@ -428,6 +462,7 @@ class LinenBigNorm(nn.Module):
         return nn.Dense(D, dtype=F16, name="out")(nn.relu(x))
 
 
+@SLOW
 def test_float32_statistics_of_a_float16_model_are_held_to_float32s_range():
     case = linen_case(LinenBigNorm(), X[0] - X[0].mean(0), stats=True)
     trains = brute_force(case)
@@ -450,6 +485,7 @@ class MaskedLM32(nn.Module):
         return nn.LayerNorm(name="ln")(h)
 
 
+@SLOW
 def test_a_float32_model_gets_no_verdict_and_its_mask_fill_is_not_a_row():
     case = linen_case(MaskedLM32(), jnp.abs(X.astype(F32)))
     table = ls.float16_report(case.loss_fn, *case.args, scale=1.0)
