@@ -425,6 +425,12 @@ def test_a_finfo_min_mask_that_becomes_minus_inf_is_a_note_not_the_overflow():
     # -65504 minus the row max rounds to -inf in float16; exp(-inf) = 0 masks it
     assert any(n.startswith("forward sub") and "attn" in n for n in report.notes), report
     assert "harmless" in str(report)
+    # Nor does it top the readiness table: the mask fill and its -inf are left out, and
+    # the tightest row is a real cotangent (the head's, at 2**15).
+    table = ls.float16_report(case.loss_fn, *case.args, scale=2.0**15)
+    assert all(r.forward_max < 65504 for r in table.rows), table
+    assert table.rows[0].backward_headroom == table.rows[0].headroom >= 0, table
+    assert any("mask fill" in n for n in table.notes) and table.fits, table
 
 
 def test_softmax_where_on_finite_inputs_is_not_an_overflow():
