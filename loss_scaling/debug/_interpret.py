@@ -1,4 +1,4 @@
-"""An eager jaxpr interpreter that shows every leaf equation's values to a visitor.
+"""An eager jaxpr interpreter that follows every non-finite value to where it ends up.
 
 ``jax.core.eval_jaxpr`` semantics (``eqn.primitive.bind(*invals, **bind_params)`` under
 the equation's context), except that the higher-order primitives are interpreted rather than
@@ -7,6 +7,23 @@ bound: ``jit`` / ``closed_call``, ``checkpoint`` (``remat``), ``custom_jvp_call`
 ``while`` one iteration at a time, so that a visitor sees the equations of the iteration
 where something first goes wrong. Any other primitive (``shard_map``, callbacks) is bound
 as a whole and shown as one equation.
+
+**Origins.** Beside each value the interpreter keeps, for a value with inf or NaN entries,
+an int32 array of its shape: per entry, the earliest equation (an id from
+:class:`Origins`, in execution order) whose non-finite output that entry carries, and
+:data:`FINITE` for finite entries. A leaf equation whose output has a non-finite entry
+gets it from its inputs' non-finite entries where it depends on one (see
+:func:`_propagate`), else the equation itself is the origin (a *fresh* non-finite: an
+overflow, ``log(0)``, ``0/0``). The rule is driven by the values, never by a list of
+"masking" operations: a ``where`` / ``select_n`` that picks the finite branch, a
+``max`` against a finite operand, ``exp(-inf) = 0``, or a reduction whose result stays
+finite all give finite outputs, and a finite entry carries no origin. So an equation is
+reported only when its non-finite output reaches the loss or a gradient
+(``loss_scaling.debug.overflow``). Dependence is tracked entry by entry through
+elementwise operations, data movement (transpose, reshape, slices, gathers, ``select_n``),
+reductions, cumulative operations and ``dot_general``; any other primitive passes the
+earliest origin among all of its inputs to every non-finite output entry (it can only
+name an equation too early, never one later than the first that matters).
 
 The primitive names and parameter keys are JAX internals; tests/test_overflow.py pins
 each one, so that a JAX release that renames one fails there and not silently.
@@ -20,12 +37,37 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax._src import source_info_util
 from jax.extend import core as jex
 
 CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
                    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 _JAXPR_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+FINITE = np.iinfo(np.int32).max  # the origin of a finite entry
+ARGUMENT = 1  # the origin of a non-finite entry of an argument (the batch, the params)
+
+# Output entry i depends on input entry i (after broadcasting a scalar) and on no other.
+ELEMENTWISE = frozenset({
+    "abs", "acos", "acosh", "add", "add_any", "asin", "asinh", "atan", "atan2", "atanh",
+    "cbrt", "ceil", "clamp", "complex", "conj", "convert_element_type", "copysign", "cos",
+    "cosh", "digamma", "div", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor",
+    "imag", "integer_pow", "is_finite", "lgamma", "log", "log1p", "logistic", "max", "min",
+    "mul", "neg", "nextafter", "pow", "real", "reduce_precision", "rem", "round", "rsqrt",
+    "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh",
+    "polygamma", "igamma", "igammac", "bessel_i0e", "bessel_i1e", "optimization_barrier",
+})
+# Data movement: the same primitive applied to the origins moves them as it moves the data.
+STRUCTURAL = frozenset({
+    "broadcast_in_dim", "concatenate", "copy", "copy_p", "dynamic_slice",
+    "dynamic_update_slice", "expand_dims", "gather", "pad", "reshape", "rev", "scatter",
+    "select_n", "slice", "squeeze", "transpose",
+})
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+                        "reduce_and", "reduce_or", "argmax", "argmin"})
+CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,28 +85,148 @@ class Where:
         return dataclasses.replace(self, loops=(*self.loops, (kind, index)))
 
 
-# visit(eqn, invals, outvals, where) is called after each leaf equation ran.
-Visitor = Callable[[Any, Sequence[Any], Sequence[Any], Where], None]
+# visit(eqn, invals, outvals, where, out_origins) is called after each leaf equation ran;
+# out_origins[i] is None where outvals[i] is finite (or not floating).
+Visitor = Callable[[Any, Sequence[Any], Sequence[Any], Where, Sequence[Any]], None]
+# fresh(eqn, invals, out, where) -> the id of a new origin, called once per equation
+# output that holds a non-finite entry none of its inputs gave it.
+Fresh = Callable[[Any, Sequence[Any], Any, Where], int]
 
 
-def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], where: Where,
-        visit: Visitor) -> list[Any]:
-    """Evaluates ``jaxpr`` eagerly, one equation at a time; returns its outputs."""
-    env: dict[Any, Any] = {}
+@dataclasses.dataclass
+class Interpreter:
+    """Runs jaxprs eagerly; ``fresh`` registers each new non-finite, ``visit`` sees all."""
 
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jex.Literal) else env[v]
+    visit: Visitor
+    fresh: Fresh
 
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        with eqn.ctx.manager:
-            outvals = _eval(eqn, invals, where.inside(eqn), visit)
-        for v, x in zip(eqn.outvars, outvals, strict=True):
-            if not isinstance(v, jex.DropVar):
-                env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], where: Where,
+            origins: Sequence[Any] | None = None,
+            const_origins: Sequence[Any] | None = None) -> tuple[list[Any], list[Any]]:
+        """Evaluates ``jaxpr``; returns its outputs and their origins.
+
+        ``origins`` and ``const_origins`` are those of ``args`` and ``consts`` (default:
+        none; a literal never carries one).
+        """
+        env: dict[Any, Any] = {}
+        src: dict[Any, Any] = {}
+
+        def read(v: Any) -> tuple[Any, Any]:
+            if isinstance(v, jex.Literal):
+                return v.val, None
+            return env[v], src.get(v)
+
+        env.update(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        if origins is not None:
+            src.update(zip(jaxpr.invars, origins, strict=True))
+        if const_origins is not None:
+            src.update(zip(jaxpr.constvars, const_origins, strict=True))
+        for eqn in jaxpr.eqns:
+            invals, inorigins = zip(*map(read, eqn.invars), strict=True) if eqn.invars else ((), ())
+            with eqn.ctx.manager:
+                outvals, outorigins = self._eval(eqn, list(invals), list(inorigins),
+                                                 where.inside(eqn))
+            for v, x, o in zip(eqn.outvars, outvals, outorigins, strict=True):
+                if not isinstance(v, jex.DropVar):
+                    env[v] = x
+                    if o is not None:
+                        src[v] = o
+        outs = [read(v) for v in jaxpr.outvars]
+        return [x for x, _ in outs], [o for _, o in outs]
+
+    def _eval(self, eqn: Any, invals: list[Any], origins: list[Any],
+              where: Where) -> tuple[list[Any], list[Any]]:
+        name = eqn.primitive.name
+        if name in CALLS:
+            key = next(k for k in _JAXPR_KEYS if k in eqn.params)
+            jaxpr, consts = _open(eqn.params[key])
+            return self.run(jaxpr, consts, invals, where, origins)
+        if name == "cond":
+            branch = eqn.params["branches"][int(invals[0])]
+            return self.run(branch.jaxpr, branch.consts, invals[1:], where, origins[1:])
+        if name == "scan":
+            return self._scan(eqn, invals, origins, where)
+        if name == "while":
+            return self._while(eqn, invals, origins, where)
+        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+        outvals = list(out) if eqn.primitive.multiple_results else [out]
+        outorigins = []
+        for i, x in enumerate(outvals):
+            outorigins.append(self._origin(eqn, invals, origins, i, x, where))
+        self.visit(eqn, invals, outvals, where, outorigins)
+        return outvals, outorigins
+
+    def _origin(self, eqn: Any, invals: list[Any], origins: list[Any], index: int, out: Any,
+                where: Where) -> Any:
+        if not is_float(out) or all_finite(out):
+            return None
+        bad = ~jnp.isfinite(out)
+        if any(o is not None for o in origins):
+            came = _propagate(eqn, invals, origins, index, out)
+        else:
+            came = jnp.full(out.shape, FINITE, jnp.int32)
+        new = bad & (came == FINITE)
+        if bool(jnp.any(new)):
+            came = jnp.where(new, jnp.int32(self.fresh(eqn, invals, out, where)), came)
+        return jnp.where(bad, came, FINITE).astype(jnp.int32)
+
+    def _scan(self, eqn: Any, invals: list[Any], origins: list[Any],
+              where: Where) -> tuple[list[Any], list[Any]]:
+        p = eqn.params
+        body, length = p["jaxpr"], p["length"]
+        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        consts, carry, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
+                             invals[n_consts + n_carry:])
+        c_o, carry_o, xs_o = (origins[:n_consts], origins[n_consts:n_consts + n_carry],
+                              origins[n_consts + n_carry:])
+        ys: list[list[Any]] = [[] for _ in eqn.outvars[n_carry:]]
+        ys_o: list[list[Any]] = [[] for _ in eqn.outvars[n_carry:]]
+        order = range(length - 1, -1, -1) if p["reverse"] else range(length)
+        for i in order:
+            out, out_o = self.run(body.jaxpr, body.consts, [*consts, *carry, *(x[i] for x in xs)],
+                                  where.iteration("scan", i),
+                                  [*c_o, *carry_o, *(None if o is None else o[i] for o in xs_o)])
+            carry, carry_o = out[:n_carry], out_o[:n_carry]
+            for stack, y in zip(ys, out[n_carry:], strict=True):
+                stack.append(y)
+            for stack, o in zip(ys_o, out_o[n_carry:], strict=True):
+                stack.append(o)
+        stacked: list[Any] = []
+        stacked_o: list[Any] = []
+        for var, stack, stack_o in zip(eqn.outvars[n_carry:], ys, ys_o, strict=True):
+            if p["reverse"]:
+                stack, stack_o = stack[::-1], stack_o[::-1]
+            if not stack:
+                stacked.append(jnp.zeros(var.aval.shape, var.aval.dtype))
+                stacked_o.append(None)
+                continue
+            stacked.append(jnp.stack(stack))
+            if all(o is None for o in stack_o):
+                stacked_o.append(None)
+            else:
+                stacked_o.append(jnp.stack([_full(o, y) for o, y in zip(stack_o, stack,
+                                                                         strict=True)]))
+        return [*carry, *stacked], [*carry_o, *stacked_o]
+
+    def _while(self, eqn: Any, invals: list[Any], origins: list[Any],
+               where: Where) -> tuple[list[Any], list[Any]]:
+        p = eqn.params
+        cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+        n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+        cond_consts, body_consts = invals[:n_cond], invals[n_cond:n_cond + n_body]
+        cond_o, body_o = origins[:n_cond], origins[n_cond:n_cond + n_body]
+        carry, carry_o = invals[n_cond + n_body:], origins[n_cond + n_body:]
+        i = 0
+        while True:
+            inner = where.iteration("while", i)
+            (go,), _ = self.run(cond.jaxpr, cond.consts, [*cond_consts, *carry], inner,
+                                [*cond_o, *carry_o])
+            if not bool(go):
+                return carry, carry_o
+            carry, carry_o = self.run(body.jaxpr, body.consts, [*body_consts, *carry], inner,
+                                      [*body_o, *carry_o])
+            i += 1
 
 
 def _open(closed: Any) -> tuple[Any, Sequence[Any]]:
@@ -73,62 +235,81 @@ def _open(closed: Any) -> tuple[Any, Sequence[Any]]:
     return closed, ()
 
 
-def _eval(eqn: Any, invals: list[Any], where: Where, visit: Visitor) -> list[Any]:
-    name = eqn.primitive.name
-    if name in CALLS:
-        key = next(k for k in _JAXPR_KEYS if k in eqn.params)
-        jaxpr, consts = _open(eqn.params[key])
-        return run(jaxpr, consts, invals, where, visit)
-    if name == "cond":
-        branch = eqn.params["branches"][int(invals[0])]
-        return run(branch.jaxpr, branch.consts, invals[1:], where, visit)
-    if name == "scan":
-        return _scan(eqn, invals, where, visit)
-    if name == "while":
-        return _while(eqn, invals, where, visit)
-    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-    outvals = list(out) if eqn.primitive.multiple_results else [out]
-    visit(eqn, invals, outvals, where)
-    return outvals
+def _full(origin: Any, like: Any) -> Any:
+    """``origin``, or all :data:`FINITE` where there is none, in ``like``'s shape."""
+    if origin is None:
+        return jnp.full(jnp.shape(like), FINITE, jnp.int32)
+    return origin
 
 
-def _scan(eqn: Any, invals: list[Any], where: Where, visit: Visitor) -> list[Any]:
-    p = eqn.params
-    body, length = p["jaxpr"], p["length"]
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
-    consts, carry, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
-                         invals[n_consts + n_carry:])
-    ys: list[list[Any]] = [[] for _ in eqn.outvars[n_carry:]]
-    order = range(length - 1, -1, -1) if p["reverse"] else range(length)
-    for i in order:
-        out = run(body.jaxpr, body.consts, [*consts, *carry, *(x[i] for x in xs)],
-                  where.iteration("scan", i), visit)
-        carry = out[:n_carry]
-        for stack, y in zip(ys, out[n_carry:], strict=True):
-            stack.append(y)
-    stacked = []
-    for var, stack in zip(eqn.outvars[n_carry:], ys, strict=True):
-        if not stack:
-            stacked.append(jnp.zeros(var.aval.shape, var.aval.dtype))
-        else:
-            stacked.append(jnp.stack(stack[::-1] if p["reverse"] else stack))
-    return [*carry, *stacked]
+def _propagate(eqn: Any, invals: list[Any], origins: list[Any], index: int, out: Any) -> Any:
+    """Per entry of output ``index``: the earliest origin among the entries it depends on."""
+    name, shape = eqn.primitive.name, out.shape
+    if name in ELEMENTWISE:
+        came = jnp.full(shape, FINITE, jnp.int32)
+        for o in origins:
+            if o is not None:
+                came = jnp.minimum(came, jnp.broadcast_to(o, shape))
+        return came
+    if name in STRUCTURAL:
+        args = [_full(o, x) if is_float(x) else x
+                for x, o in zip(invals, origins, strict=True)]
+        params = dict(eqn.primitive.get_bind_params(eqn.params))
+        if name == "gather":
+            params["fill_value"] = FINITE
+        try:
+            moved = eqn.primitive.bind(*args, **params)
+        except Exception:  # noqa: BLE001  (a parameter tied to the float dtype)
+            return _earliest(origins, shape)
+        moved = moved[index] if eqn.primitive.multiple_results else moved
+        return jnp.broadcast_to(moved, shape).astype(jnp.int32)
+    if name in REDUCTIONS and len(invals) == 1:
+        return jnp.broadcast_to(jnp.min(origins[0], axis=tuple(eqn.params["axes"])), shape)
+    if name in CUMULATIVE and origins[0] is not None:
+        return lax.cummin(origins[0], axis=eqn.params["axis"], reverse=eqn.params["reverse"])
+    if name == "dot_general":
+        return _dot_general(eqn, origins, shape)
+    return _earliest(origins, shape)
 
 
-def _while(eqn: Any, invals: list[Any], where: Where, visit: Visitor) -> list[Any]:
-    p = eqn.params
-    cond, body = p["cond_jaxpr"], p["body_jaxpr"]
-    n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
-    cond_consts, body_consts = invals[:n_cond], invals[n_cond:n_cond + n_body]
-    carry = invals[n_cond + n_body:]
-    i = 0
-    while True:
-        inner = where.iteration("while", i)
-        (go,) = run(cond.jaxpr, cond.consts, [*cond_consts, *carry], inner, visit)
-        if not bool(go):
-            return carry
-        carry = run(body.jaxpr, body.consts, [*body_consts, *carry], inner, visit)
-        i += 1
+def _earliest(origins: list[Any], shape: tuple[int, ...]) -> Any:
+    earliest = min(int(jnp.min(o)) for o in origins if o is not None)
+    return jnp.full(shape, earliest, jnp.int32)
+
+
+def _dot_general(eqn: Any, origins: list[Any], shape: tuple[int, ...]) -> Any:
+    """Output (batch, lhs free, rhs free) depends on the rows and columns it contracts."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = origins[0], origins[1]
+    n_batch = len(lb)
+    came = jnp.full(shape, FINITE, jnp.int32)
+    for o, contract, batch, first in ((lhs, lc, lb, True), (rhs, rc, rb, False)):
+        if o is None:
+            continue
+        free = [d for d in range(o.ndim) if d not in contract and d not in batch]
+        reduced = jnp.min(jnp.transpose(o, (*batch, *free, *contract)),
+                          axis=tuple(range(len(batch) + len(free), o.ndim)))
+        # insert the other operand's free dimensions: after ours (lhs) or before (rhs)
+        n_other = len(shape) - n_batch - len(free)
+        at = n_batch + len(free) if first else n_batch
+        expanded = jnp.expand_dims(reduced, tuple(range(at, at + n_other)))
+        came = jnp.minimum(came, jnp.broadcast_to(expanded, shape))
+    return came
+
+
+def all_finite(x: Any) -> bool:
+    """Whether every entry of a floating array is finite (read on the host: an eager
+    ``jnp`` test would compile once per shape, the bulk of a first run's time)."""
+    try:
+        return bool(np.isfinite(np.asarray(x)).all())
+    except TypeError:  # a dtype numpy cannot test
+        return bool(jnp.all(jnp.isfinite(x)))
+
+
+def arguments(xs: Sequence[Any]) -> list[Any]:
+    """The origins of a jaxpr's arguments: :data:`ARGUMENT` at their non-finite entries."""
+    return [jnp.where(jnp.isfinite(x), FINITE, ARGUMENT).astype(jnp.int32)
+            if is_float(x) and not all_finite(x) else None for x in xs]
 
 
 def is_float(x: Any) -> bool:

@@ -24,10 +24,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from loss_scaling.core import scalers, tree
 from loss_scaling.debug import _interpret
-from loss_scaling.debug._interpret import Visitor, Where
+from loss_scaling.debug._interpret import Fresh, Visitor, Where
 from loss_scaling.lookup import get_loss_scale
 
 SCALE_SCOPE = "loss_scaling.scale"  # the scope of the loss-times-scale multiplication
@@ -40,6 +41,14 @@ NO_ARGUMENTS = (
     "find_overflow / float16_report need loss_fn's arguments after it: the parameters (or "
     "the model) first, e.g. `ls.find_overflow(loss_fn, params, batch)`, optionally preceded "
     "by the optimizer (or opt_state / TrainState) that holds the loss scale."
+)
+
+
+TRACED = (
+    "find_overflow / float16_report got a traced value ({what}): they run eagerly, one "
+    "primitive at a time, on concrete arrays. Call them outside jit / grad / vmap, next "
+    "to the training loop, e.g. `ls.find_overflow(loss_fn, params, batch)` with the "
+    "step's params and batch."
 )
 
 
@@ -79,6 +88,10 @@ def problem(loss_fn: Callable[..., Any], args: tuple[Any, ...], scale: Any,
     """Splits off a leading holder of the loss scale and settles the scale to use."""
     if not args:
         raise TypeError(NO_ARGUMENTS)
+    for what, value in (("scale", scale), *((f"argument {i + 1}", a)
+                                            for i, a in enumerate(args))):
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(value)):
+            raise TypeError(TRACED.format(what=what))
     held, wrt = _held_scale(args[0]), None
     if _is_nnx_optimizer(args[0]):
         wrt, args = args[0].wrt, args[1:]
@@ -222,26 +235,57 @@ def _module_scopes(root: Any, walk: Walker) -> Iterator[None]:
                 type.__setattr__(cls, "__call__", original)
 
 
-def run(p: Problem, visit: Visitor) -> None:
-    """Interprets the forward pass, then the backward pass of the scaled loss."""
+def scaled_loss_fn(p: Problem, scopes: bool = True) -> tuple[
+        list[Any], Callable[[list[Any], Any], Any]]:
+    """The differentiated leaves, and the loss times a scaler as a function of them."""
     leaves, rebuild, walk = _split(p)
 
-    def scaled_loss(xs: list[Any]) -> Any:
+    def scaled_loss(xs: list[Any], scaler: Any) -> Any:
         args = rebuild(xs)
-        with _module_scopes(args[0], walk):
+        with _module_scopes(args[0], walk) if scopes else contextlib.nullcontext():
             out = p.loss_fn(*args)
         loss = out[0] if p.has_aux else out
         with jax.named_scope(SCALE_SCOPE):
-            return tree.scale(p.scaler, loss)
+            return tree.scale(scaler, loss)
 
-    forward, shape = jax.make_jaxpr(lambda xs: jax.vjp(scaled_loss, xs), return_shape=True)(
-        leaves)
-    outs = _interpret.run(forward.jaxpr, forward.consts, leaves, Where("forward"), visit)
+    return leaves, scaled_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """The origins (see ``_interpret``) of the scaled loss and of the gradients."""
+
+    loss: Any
+    grads: list[Any]
+
+    def reaching(self) -> set[int]:
+        """The ids of the equations whose non-finite values reach the loss or a gradient."""
+        ids: set[int] = set()
+        for o in (self.loss, *self.grads):
+            if o is not None:
+                ids.update(int(i) for i in np.unique(np.asarray(o)) if i != _interpret.FINITE)
+        return ids
+
+
+def run(p: Problem, visit: Visitor, fresh: Fresh) -> Outcome:
+    """Interprets the forward pass, then the backward pass of the scaled loss.
+
+    Origins flow from the forward pass into the backward pass through the residuals.
+    """
+    leaves, scaled = scaled_loss_fn(p)
+    forward, shape = jax.make_jaxpr(
+        lambda xs: jax.vjp(lambda ys: scaled(ys, p.scaler), xs), return_shape=True)(leaves)
+    interpreter = _interpret.Interpreter(visit, fresh)
+    outs, origins = interpreter.run(
+        forward.jaxpr, forward.consts, leaves, Where("forward"),
+        _interpret.arguments(leaves), _interpret.arguments(forward.consts))
     loss, vjp = jax.tree.unflatten(jax.tree.structure(shape), outs)
+    n_loss = len(jax.tree.leaves(loss))
     cotangent = jnp.ones_like(loss)
     backward = jax.make_jaxpr(lambda vjp: vjp(cotangent))(vjp)
-    _interpret.run(backward.jaxpr, backward.consts, jax.tree.leaves(vjp), Where("backward"),
-                   visit)
+    _, grad_origins = interpreter.run(backward.jaxpr, backward.consts, jax.tree.leaves(vjp),
+                                      Where("backward"), origins[n_loss:])
+    return Outcome(origins[0], grad_origins)
 
 
 def library_dirs() -> list[str]:

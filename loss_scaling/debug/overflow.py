@@ -39,11 +39,20 @@ class OverflowReport:
       shape: its shape.
       max_finite_input: the largest finite magnitude among the equation's floating
         inputs (``None`` when it has none): compare it with the dtype's maximum.
-      inputs_finite: whether all of the inputs were finite (``False`` points at an
-        argument: the batch or the params already held an inf or NaN).
+      inputs_finite: whether all of the inputs were finite. ``False`` with
+        ``primitive=None``: an argument of ``loss_fn`` (the batch or the params) already
+        held an inf or NaN that reaches the loss or a gradient. ``False`` with a
+        primitive: some input held inf/NaN that does not reach the reported entries
+        (a masked value), and the equation made a new one.
       loops: the ``("scan" | "while", iteration)`` pairs of the loops around it,
         outermost first (a layer stack scanned by ``nnx.scan`` / ``lax.scan``).
       equation: the equation as JAX prints it, shortened.
+      reaches: what its non-finite output reaches: ``"loss"``, ``"gradients"`` or
+        ``"loss and gradients"``.
+      notes: the non-finite values that were masked or selected away before they could
+        reach the loss or a gradient (a ``finfo.min`` mask fill that becomes ``-inf``
+        and then ``exp(-inf) = 0``, ``jnp.var``'s NaN constant): harmless, listed so
+        that nobody chases them. On a healthy report too.
     """
 
     found: bool
@@ -61,15 +70,25 @@ class OverflowReport:
     inputs_finite: bool = True
     loops: tuple[tuple[str, int], ...] = ()
     equation: str = ""
+    reaches: str = ""
+    notes: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
         return self.found
 
     def __str__(self) -> str:
+        notes = [f"  note: {n}" for n in self.notes]
+        if self.notes:
+            notes.insert(0, "  harmless non-finite values (they reach neither the loss "
+                            "nor a gradient):")
         if not self.found:
-            return (f"find_overflow: every value of the forward pass and of the backward "
-                    f"pass at scale {self.scale:g} is finite.")
-        lines = [f"find_overflow: the first non-finite value is in the {self.phase} pass"
+            return "\n".join([f"find_overflow: the loss and every gradient at scale "
+                              f"{self.scale:g} are finite.", *notes])
+        if self.primitive is None:
+            return "\n".join([f"find_overflow: {self.equation}; it reaches the "
+                              f"{self.reaches}.", *notes])
+        lines = [f"find_overflow: the first overflow that reaches the {self.reaches} is in "
+                 f"the {self.phase} pass"
                  + (f" (loss scale {self.scale:g})" if self.phase == "backward" else ""),
                  f"  layer:      {self.layer or '(top level)'}",
                  f"  primitive:  {self.primitive} -> {self.dtype}{list(self.shape or ())}",
@@ -81,28 +100,30 @@ class OverflowReport:
             top = float(np.finfo(self.dtype).max) if self.dtype else float("nan")
             lines.append(f"  largest finite input magnitude: {self.max_finite_input:.4g} "
                          f"({self.dtype} max {top:.4g})")
-        if not self.inputs_finite:
-            lines.append("  an input was already non-finite: check the batch and params")
-        return "\n".join(lines)
+        return "\n".join([*lines, *notes])
 
 
-class _Found(Exception):
-    def __init__(self, report: OverflowReport) -> None:
-        self.report = report
+_ARGUMENT_TEXT = "an argument of loss_fn (the batch or the params) already holds an inf or NaN"
+_MAX_NOTES = 5
 
 
 def find_overflow(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
                   has_aux: bool = False) -> OverflowReport:
-    """Runs one step's forward and backward pass an op at a time; reports the first inf/NaN.
+    """Runs one step's forward and backward pass an op at a time; reports the first overflow.
 
     A debugging tool, run eagerly on one batch and never compiled into a training step:
     the loss is traced to a jaxpr, ``jax.vjp`` of the loss times ``scale`` is interpreted
     equation by equation (descending into ``jit``, ``scan``, ``cond``, ``while``,
     ``checkpoint``, ``custom_jvp`` and ``custom_vjp``; loops iteration by iteration),
-    forward pass first, and the first equation with a non-finite floating output is
-    described. Differentiated as the recipes differentiate: an ``nnx`` model by the
-    optimizer's ``wrt`` filter (``nnx.Param`` without one), linen / plain params and
-    Equinox modules by their floating-point arrays. The model is not modified.
+    forward pass first, and every inf or NaN is followed to where it ends up. The report
+    names the first equation whose non-finite output *reaches* the loss (forward) or a
+    gradient (backward). A non-finite value that is masked or selected away (a
+    ``where`` that picks the other branch, a ``max`` against a finite operand,
+    ``exp(-inf) = 0`` in a softmax, a reduction whose result stays finite) does not make
+    a step skip, so it is only listed in ``notes``. Differentiated as the recipes
+    differentiate: an ``nnx`` model by the optimizer's ``wrt`` filter (``nnx.Param``
+    without one), linen / plain params and Equinox modules by their floating-point
+    arrays. The model is not modified.
 
     Args:
       loss_fn: ``loss_fn(params_or_model, *batch) -> loss`` (or ``(loss, aux)``).
@@ -116,7 +137,7 @@ def find_overflow(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
 
     Returns:
       An :class:`OverflowReport`; ``report.found`` is ``False`` (and the report is falsy)
-      when every value was finite.
+      when the loss and every gradient are finite.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -131,26 +152,48 @@ def find_overflow(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
     """
     p = _trace.problem(loss_fn, args, scale, has_aux)
     skip = _trace.library_dirs()
+    scale_value = _trace.scale_value(p)
+    records: dict[int, OverflowReport] = {}
 
-    def visit(eqn: Any, invals: Sequence[Any], outvals: Sequence[Any], where: Where) -> None:
-        for out in outvals:
-            if _interpret.is_float(out) and not bool(jnp.all(jnp.isfinite(out))):
-                raise _Found(_describe(eqn, invals, out, where, skip, p))
+    def fresh(eqn: Any, invals: Sequence[Any], out: Any, where: Where) -> int:
+        key = len(records) + _interpret.ARGUMENT + 1
+        records[key] = _describe(eqn, invals, out, where, skip, scale_value)
+        return key
 
-    try:
-        _trace.run(p, visit)
-    except _Found as found:
-        return found.report
-    return OverflowReport(found=False, scale=_trace.scale_value(p))
+    def visit(*_: Any) -> None:
+        pass
+
+    outcome = _trace.run(p, visit, fresh)
+    reaching = outcome.reaching()
+    notes = [f"{r.phase} {r.primitive} -> {r.dtype}{list(r.shape or ())} in "
+             f"{r.layer or '(top level)'} at {r.file}:{r.line}: masked or selected away"
+             for key, r in sorted(records.items()) if key not in reaching]
+    if len(notes) > _MAX_NOTES:
+        notes = [*notes[:_MAX_NOTES], f"... and {len(notes) - _MAX_NOTES} more"]
+    if not reaching:
+        return OverflowReport(found=False, scale=scale_value, notes=tuple(notes))
+    first = min(reaching)
+    in_loss = _holds(outcome.loss, first)
+    in_grads = any(_holds(o, first) for o in outcome.grads)
+    reaches = " and ".join(n for n, b in (("loss", in_loss), ("gradients", in_grads)) if b)
+    if first == _interpret.ARGUMENT:
+        return OverflowReport(found=True, scale=scale_value, phase="forward",
+                              inputs_finite=False, reaches=reaches, notes=tuple(notes),
+                              equation=_ARGUMENT_TEXT)
+    return dataclasses.replace(records[first], reaches=reaches, notes=tuple(notes))
+
+
+def _holds(origin: Any, key: int) -> bool:
+    return origin is not None and bool(np.any(np.asarray(origin) == key))
 
 
 def _describe(eqn: Any, invals: Sequence[Any], out: Any, where: Where,
-              skip: Sequence[str], p: _trace.Problem) -> OverflowReport:
+              skip: Sequence[str], scale: float) -> OverflowReport:
     floats = [jnp.asarray(x) for x in invals if _interpret.is_float(x)]
     finite = [jnp.where(jnp.isfinite(x), jnp.abs(x), 0) for x in floats if x.size]
     frame = _interpret.user_frame(eqn, skip)
     return OverflowReport(
-        found=True, scale=_trace.scale_value(p), phase=where.phase,
+        found=True, scale=scale, phase=where.phase,
         primitive=eqn.primitive.name,
         file=frame.file_name if frame else None, line=frame.start_line if frame else None,
         function=frame.function_name if frame else None,

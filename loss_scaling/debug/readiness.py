@@ -1,4 +1,4 @@
-"""``float16_report``: per layer, how close one step's values come to float16's limits."""
+"""``float16_report``: does a model train in float16, up to which scale, and what limits it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loss_scaling.core import scalers, tree
 from loss_scaling.debug import _interpret, _trace
 from loss_scaling.debug._interpret import Where
 
@@ -19,35 +20,50 @@ __all__ = ["Float16Report", "LayerHeadroom", "float16_report"]
 
 F16_MAX = float(np.finfo(np.float16).max)  # 65504
 F16_TINY = float(np.finfo(np.float16).tiny)  # 2**-14, the smallest normal
+NARROW = ("float16", "bfloat16")
+# The powers of two the verdict tries: from float16's smallest normal to float32's largest.
+EXPONENTS = range(-14, 128)
+# Saturated values (a ``jnp.finfo(dtype).min`` mask fill) are masks, not activations.
+_FILLS = tuple(float(np.finfo(d).max) for d in (np.float16, np.float32, np.float64)) + (
+    float(jnp.finfo(jnp.bfloat16).max),)
 
 
-def headroom(magnitude: float) -> float:
-    """Powers of two between ``magnitude`` and float16's largest value (negative: over)."""
+def headroom(magnitude: float, limit: float = F16_MAX) -> float:
+    """Powers of two between ``magnitude`` and ``limit`` (a dtype's largest value)."""
     if magnitude == 0:
         return math.inf
-    return math.log2(F16_MAX / magnitude) if math.isfinite(magnitude) else -math.inf
+    return math.log2(limit / magnitude) if math.isfinite(magnitude) else -math.inf
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerHeadroom:
     """One row of :class:`Float16Report`: a layer (or, outside any, a source line).
 
+    Each value is held to the range of the dtype it is computed in (float16 to 65504,
+    a float32 statistic of a float16 model to float32's), except in a report on a model
+    that computes nothing in float16 or bfloat16, where every value is held to float16's
+    range as if it were float16 (``Float16Report.hypothetical``). Values that do not
+    matter are left out: inf/NaN entries that reach neither the loss nor a gradient
+    (a masked ``-inf``) and saturated mask fills (``jnp.finfo(dtype).min``).
+
     Attributes:
       layer: the module path / ``named_scope`` (as in ``OverflowReport.layer``), or
         ``file:line (function)`` for equations outside any scope.
-      forward_max: the largest magnitude among its forward values (activations; ``inf``
-        where the run itself overflowed).
-      backward_max: the largest magnitude among its backward values (cotangents of the
-        loss times the scale).
-      forward_headroom, backward_headroom: ``log2(65504 / max)``: how many doublings
-        are left before float16 overflows (negative: it overflows; ``inf``: all zero).
-      headroom: the smaller of the two.
-      underflow: the fraction of its backward entries that are nonzero but below
-        float16's smallest normal (2**-14), which float16 flushes to zero where
-        subnormals flush (XLA on CPU) and keeps with fewer bits elsewhere.
-      zero: the fraction of its backward entries that are exactly zero (in a float16
-        run this includes what already flushed).
-      op: the primitive that holds the limiting maximum; ``source`` its user line.
+      forward_max: the largest magnitude of its limiting forward value (activations;
+        ``inf`` where the run itself overflowed and it reached the loss or a gradient).
+      backward_max: the same for the backward values (cotangents of the loss times the
+        scale).
+      forward_headroom, backward_headroom: ``log2(dtype max / max)`` of the limiting
+        value: how many doublings are left before it overflows (negative: it overflows;
+        ``inf``: all zero).
+      headroom: the smaller of the two: the rows are sorted by it.
+      underflow: the fraction of its float16 / bfloat16 backward entries (all of them in
+        a hypothetical report) that are nonzero but below float16's smallest normal
+        (2**-14), which float16 flushes to zero where subnormals flush (XLA on CPU) and
+        keeps with fewer bits elsewhere.
+      zero: the fraction of those entries that are exactly zero (in a float16 run this
+        includes what already flushed).
+      op: the primitive that holds the limiting value and its dtype; ``source`` its line.
     """
 
     layer: str
@@ -64,22 +80,35 @@ class LayerHeadroom:
 
 @dataclasses.dataclass(frozen=True)
 class Float16Report:
-    """Per-layer float16 headroom of one step, the tightest layer first.
+    """Per-layer float16 headroom of one step, the tightest layer first, and the verdict.
 
     Attributes:
       rows: the :class:`LayerHeadroom` rows, sorted by ``headroom`` (ascending).
-      scale: the loss scale of the backward pass.
-      fits: whether every forward and backward value is within float16's range.
-      max_scale: the largest power-of-two multiple of ``scale`` at which no backward
-        value exceeds float16's range (cotangents are linear in the scale), or ``None``
-        without backward values or when some already overflowed at ``scale`` (run it
-        again at a smaller one).
+      scale: the loss scale of the backward pass the rows were measured at.
+      fits: whether the model trains in its dtype on this batch: whether, at some power of
+        two from 2**-14 to 2**127, the real step (``jax.value_and_grad`` of the loss
+        times that scale, compiled as training compiles it) gives a finite loss and
+        finite gradients. ``None`` in a hypothetical report (a float32 model: pass the
+        float16 one).
+      max_scale: the largest such power of two (found by bisection over the real step),
+        or ``None`` when none trains or in a hypothetical report.
+      table_scale: the scale the rows predict: ``scale`` times 2 to the floor of the
+        smallest backward headroom (``None`` without backward values or when one
+        already overflowed). It can be below ``max_scale`` where the value that
+        overflows first does not reach a gradient.
+      hypothetical: ``True`` when the model computes nothing in float16 or bfloat16
+        (a float32 model): the rows hold every value to float16's range as if it were
+        float16, and say nothing about which values a float16 model keeps in float32.
+      notes: what was left out of the rows (masked non-finite values, mask fills).
     """
 
     rows: tuple[LayerHeadroom, ...]
     scale: float
-    fits: bool
+    fits: bool | None
     max_scale: float | None
+    table_scale: float | None = None
+    hypothetical: bool = False
+    notes: tuple[str, ...] = ()
 
     def __iter__(self) -> Any:
         return iter(self.rows)
@@ -91,29 +120,53 @@ class Float16Report:
         width = max([len(r.layer) for r in self.rows] + [5])
         head = (f"{'layer':<{width}}  {'fwd max':>9}  {'bwd max':>9}  {'headroom':>8}  "
                 f"{'underflow':>9}  op")
+        against = ("every value against float16's 65504, as if float16" if self.hypothetical
+                   else "each value against its own dtype's largest value")
         lines = [f"float16 readiness at loss scale {self.scale:g} "
-                 f"(headroom: doublings left below 65504)", head, "-" * len(head)]
+                 f"(headroom: doublings left, {against})", head, "-" * len(head)]
         for r in self.rows:
             lines.append(f"{r.layer:<{width}}  {r.forward_max:>9.3g}  {r.backward_max:>9.3g}  "
                          f"{r.headroom:>8.1f}  {r.underflow:>9.2%}  {r.op}")
-        verdict = "fits float16" if self.fits else "does NOT fit float16"
-        safe = ("" if self.max_scale is None
-                else f"; largest safe scale 2**{math.log2(self.max_scale):g}")
-        lines.append(f"{verdict}{safe}")
+        if self.hypothetical:
+            lines.append(HYPOTHETICAL)
+        else:
+            verdict = ("fits float16: the real step is finite" if self.fits else
+                       "does NOT fit float16: the real step is not finite at any scale")
+            safe = ("" if self.max_scale is None
+                    else f" up to loss scale 2**{math.log2(self.max_scale):g}")
+            lines.append(verdict + safe)
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+HYPOTHETICAL = (
+    "no verdict: this model computes nothing in float16 or bfloat16. The rows hold every "
+    "value to float16's range as if it were float16, but a float16 model keeps some "
+    "(normalization statistics, the loss, what a layer asks for in float32) in float32. "
+    "Pass the float16 version of the model (float16 compute, float32 params) for the "
+    "verdict and the largest safe scale.")
 
 
 def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
                    has_aux: bool = False) -> Float16Report:
-    """Per layer, the largest forward and backward magnitudes of one step against float16.
+    """Per layer, how close one step's values come to their dtype's limits; and the verdict.
 
     Runs the batch as :func:`find_overflow` does (same arguments, same differentiation,
-    eagerly, op by op) in the computation's own dtype, and records every floating value
-    of the forward pass and of the backward pass of the loss times ``scale``, grouped by
-    layer. Run it on the float32 version of a model to see how far past float16's range
-    a layer goes and what would flush to zero; on the float16 version, an overflowing
-    layer shows ``inf`` (use :func:`find_overflow` there). The multiplication by the
-    scale itself (float32, in ``loss_scaling.scale``) is left out.
+    eagerly, op by op) and records every floating value of the forward pass and of the
+    backward pass of the loss times ``scale``, grouped by layer, each against the range
+    of the dtype it is computed in. Left out: inf/NaN that reach neither the loss nor a
+    gradient (a masked ``-inf``), saturated mask fills, and the multiplication by the
+    scale itself (float32, in ``loss_scaling.scale``).
+
+    The verdict (``fits``) and the largest safe scale (``max_scale``) are not read off
+    the table: they come from the real step, ``jax.value_and_grad`` of the loss times
+    a power of two, compiled once and run by bisection over the powers of two from
+    2**-14 to 2**127, as training would run it. Pass the float16 model (float16
+    compute, float32 params); on a float32 model the table is hypothetical (every value
+    held to float16's range) and there is no verdict.
+
+    Args:
+      loss_fn, *args, scale, has_aux: as for :func:`find_overflow`.
 
     Returns:
       A :class:`Float16Report`: printable, its rows programmatic.
@@ -121,69 +174,145 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
     Examples:
       >>> import jax.numpy as jnp
       >>> import loss_scaling as ls
-      >>> table = ls.float16_report(lambda w: jnp.sum(w * 1000.0), jnp.ones(2), scale=1.0)
-      >>> table.fits, table.max_scale
-      (True, 64.0)
+      >>> loss_fn = lambda w: jnp.sum(w.astype(jnp.float16) * 1000.0)
+      >>> table = ls.float16_report(loss_fn, jnp.ones(2), scale=1.0)
+      >>> table.fits, table.max_scale, table.table_scale
+      (True, 64.0, 64.0)
     """
     p = _trace.problem(loss_fn, args, scale, has_aux)
     skip = _trace.library_dirs()
-    records: list[tuple[str, str, str, str, Any]] = []
+    records: list[tuple[str, str, str, str, str, Any, Any]] = []
+    count = iter(range(_interpret.ARGUMENT + 1, 2**31 - 1))
 
-    def visit(eqn: Any, invals: Sequence[Any], outvals: Sequence[Any], where: Where) -> None:
+    def fresh(*_: Any) -> int:
+        return next(count)
+
+    def visit(eqn: Any, invals: Sequence[Any], outvals: Sequence[Any], where: Where,
+              origins: Sequence[Any]) -> None:
         names = _interpret.scopes(where.name_stack)
         if _trace.SCALE_SCOPE in names:
             return
         frame = _interpret.user_frame(eqn, skip)
         source = (f"{os.path.basename(frame.file_name)}:{frame.start_line} "
                   f"({frame.function_name})") if frame else "?"
-        for out in outvals:
+        for out, origin in zip(outvals, origins, strict=True):
             if _interpret.is_float(out) and out.size:
                 records.append(("/".join(names) or source, where.phase, eqn.primitive.name,
-                                source, _stats(out)))
+                                source, str(out.dtype), _reduce(out), origin))
 
-    _trace.run(p, visit)
-    stats = jax.device_get([r[4] for r in records])
-    return _table([(*r[:4], s) for r, s in zip(records, stats, strict=True)],
-                  _trace.scale_value(p))
+    outcome = _trace.run(p, visit, fresh)
+    reaching = outcome.reaching()
+    hypothetical = not any(r[1] == "forward" and r[4] in NARROW for r in records)
+    stats = [r[5] for r in records]
+    scale_value = _trace.scale_value(p)
+    notes = []
+    masked = sum(1 for r in records if r[6] is not None
+                 and not reaching & set(np.unique(np.asarray(r[6])).tolist()))
+    if masked:
+        notes.append(f"{masked} values held inf/NaN that reach neither the loss nor a "
+                     "gradient (masked away): left out")
+    fills = sum(int(s[3]) for s in stats)
+    if fills:
+        notes.append(f"{fills} saturated entries (at their dtype's largest magnitude, as a "
+                     "finfo.min mask fill is): left out")
+    table = _table([(*r[:5], s, r[6]) for r, s in zip(records, stats, strict=True)],
+                   scale_value, reaching, hypothetical)
+    if hypothetical:
+        return dataclasses.replace(table, notes=tuple(notes))
+    max_scale = largest_finite_scale(p)
+    return dataclasses.replace(table, fits=max_scale is not None, max_scale=max_scale,
+                               notes=tuple(notes))
 
 
-def _stats(x: Any) -> Any:
-    return (*_reduce(x), x.size)
+_F32_FILLS = np.array(sorted({min(v, float(np.finfo(np.float32).max)) for v in _FILLS}),
+                      np.float32)
 
 
-@jax.jit
-def _reduce(x: Any) -> Any:
-    """One compiled kernel per shape and dtype (eagerly: six, each compiled on its own)."""
-    magnitude = jnp.abs(x).astype(jnp.float32)
-    magnitude = jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
-    return (jnp.max(magnitude), jnp.sum((magnitude > 0) & (magnitude < F16_TINY)),
-            jnp.sum(magnitude == 0))
+def _reduce(x: Any) -> tuple[float, int, int, int, int]:
+    """The finite maximum, the small entries, the zeros, the saturated ones, the size.
+
+    Read on the host (an eager or jitted reduction would compile once per shape and
+    dtype, the bulk of a first run's time). Non-finite entries count as none of these
+    (whether they matter is known at the end of the run); saturated entries (a dtype's
+    largest magnitude: a mask fill) are counted apart.
+    """
+    magnitude = np.abs(np.asarray(x)).astype(np.float32)
+    fill = np.isin(magnitude, _F32_FILLS)
+    finite = np.isfinite(magnitude) & ~fill
+    kept = magnitude[finite]
+    top = float(kept.max()) if kept.size else 0.0
+    small = int(np.count_nonzero((kept > 0) & (kept < F16_TINY)))
+    return top, small, int(np.count_nonzero(kept == 0)), int(np.count_nonzero(fill)), x.size
 
 
-def _table(records: list[tuple[str, str, str, str, Any]], scale: float) -> Float16Report:
+def _table(records: list[tuple[str, str, str, str, str, Any, Any]], scale: float,
+           reaching: set[int], hypothetical: bool) -> Float16Report:
     layers: dict[str, dict[str, Any]] = {}
-    for layer, phase, op, source, (top, small, zero, size) in records:
-        row = layers.setdefault(layer, {"forward": (0.0, "", ""), "backward": (0.0, "", ""),
+    for layer, phase, op, source, dtype, (top, small, zero, _, size), origin in records:
+        limit = F16_MAX if hypothetical else float(jnp.finfo(dtype).max)
+        top = float(top)
+        if origin is not None and reaching & set(np.unique(np.asarray(origin)).tolist()):
+            top = math.inf  # a non-finite value that reaches the loss or a gradient
+        room = headroom(top, limit)
+        row = layers.setdefault(layer, {"forward": (math.inf, 0.0, "", ""),
+                                        "backward": (math.inf, 0.0, "", ""),
                                         "small": 0, "zero": 0, "size": 0})
-        if float(top) >= row[phase][0]:
-            row[phase] = (float(top), op, source)
-        if phase == "backward":
+        if room < row[phase][0] or not row[phase][2]:
+            row[phase] = (room, top, f"{op} {_short(dtype)}", source)
+        if phase == "backward" and (hypothetical or dtype in NARROW):
             row["small"] += int(small)
             row["zero"] += int(zero)
             row["size"] += int(size)
     rows = [_row(layer, row) for layer, row in layers.items()]
     rows.sort(key=lambda r: r.headroom)
-    room = min((r.backward_headroom for r in rows if r.backward_max > 0), default=None)
-    max_scale = None  # no backward values, or some already overflowed at this scale
-    if room is not None and math.isfinite(room):
-        max_scale = scale * 2.0 ** math.floor(room)
-    return Float16Report(tuple(rows), scale, all(r.headroom >= 0 for r in rows), max_scale)
+    tightest = min((r.backward_headroom for r in rows if r.backward_max > 0), default=None)
+    table_scale = None  # no backward values, or some already overflowed at this scale
+    if tightest is not None and math.isfinite(tightest):
+        table_scale = scale * 2.0 ** math.floor(tightest)
+    return Float16Report(tuple(rows), scale, None, None, table_scale, hypothetical)
+
+
+def _short(dtype: str) -> str:
+    return {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}.get(
+        dtype, dtype)
 
 
 def _row(layer: str, row: dict[str, Any]) -> LayerHeadroom:
-    (fwd, fwd_op, fwd_src), (bwd, bwd_op, bwd_src) = row["forward"], row["backward"]
-    fwd_room, bwd_room = headroom(fwd), headroom(bwd)
+    (fwd_room, fwd, fwd_op, fwd_src), (bwd_room, bwd, bwd_op, bwd_src) = (row["forward"],
+                                                                          row["backward"])
     op, source = (fwd_op, fwd_src) if fwd_room <= bwd_room else (bwd_op, bwd_src)
     size = max(row["size"], 1)
     return LayerHeadroom(layer, fwd, bwd, fwd_room, bwd_room, min(fwd_room, bwd_room),
                          row["small"] / size, row["zero"] / size, op, source)
+
+
+def finite_step(p: _trace.Problem) -> Callable[[float], bool]:
+    """Whether the real step, compiled once, gives a finite loss and gradients at a scale."""
+    leaves, scaled = _trace.scaled_loss_fn(p, scopes=False)
+    template = scalers.StaticLossScale(1.0)
+
+    @jax.jit
+    def finite(xs: list[Any], s: Any) -> Any:
+        scaler = jax.tree.map(lambda _: s, template)
+        loss, grads = jax.value_and_grad(lambda ys: scaled(ys, scaler))(xs)
+        return jnp.isfinite(loss) & tree.all_finite(grads)
+
+    return lambda s: bool(finite(leaves, jnp.float32(s)))
+
+
+def largest_finite_scale(p: _trace.Problem) -> float | None:
+    """The largest power of two in :data:`EXPONENTS` at which the real step is finite.
+
+    Bisection: the step is taken to be finite at every power below one where it is
+    finite (cotangents grow with the scale). ``None`` when it is finite at none.
+    """
+    finite = finite_step(p)
+    lo, hi = EXPONENTS[0], EXPONENTS[-1]
+    if finite(2.0**hi):
+        return 2.0**hi
+    if not finite(2.0**lo):
+        return None
+    while hi - lo > 1:  # finite at lo, not at hi
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if finite(2.0**mid) else (lo, mid)
+    return 2.0**lo
