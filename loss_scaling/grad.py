@@ -12,7 +12,7 @@ from loss_scaling import _registry
 from loss_scaling._errors import NoLossScaleFound, describe
 from loss_scaling.core import tree
 from loss_scaling.core.scalers import SCALER_TYPES
-from loss_scaling.lookup import get_loss_scale, refuse_wrapper_inside_multisteps
+from loss_scaling.lookup import get_loss_scale, refuse_misplaced_wrapper
 
 __all__ = ["value_and_grad"]
 
@@ -77,7 +77,7 @@ def scaler_of_state(state: Any) -> Any:
     if isinstance(state, jax.Array):
         raise TypeError(WRONG_FIRST_ARGUMENT.format(
             what=describe(state), hint=" (an array: did you forget the loss scale?)"))
-    refuse_wrapper_inside_multisteps(state)
+    refuse_misplaced_wrapper(state)
     try:
         return get_loss_scale(state)
     except NoLossScaleFound as e:  # several loss scales: that message already says what to do

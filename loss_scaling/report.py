@@ -20,7 +20,7 @@ from loss_scaling.core.scalers import (
     NoOpLossScale,
     StaticLossScale,
 )
-from loss_scaling.lookup import _NO_CONFIG, _get_wrapper_state, refuse_wrapper_inside_multisteps
+from loss_scaling.lookup import _NO_CONFIG, _get_wrapper_state, refuse_misplaced_wrapper
 from loss_scaling.wrapper.state import (
     SUSPICIOUS_GROWTHS,
     UnderflowStats,
@@ -83,7 +83,7 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
     """
     if isinstance(opt_state, SCALER_TYPES):
         raise TypeError(METRICS_OF_A_SCALER.format(what=type(opt_state).__name__))
-    refuse_wrapper_inside_multisteps(opt_state)
+    refuse_misplaced_wrapper(opt_state)
     state = _get_wrapper_state(opt_state, path)
     scaler = state.scaler
     tracker = getattr(scaler, "growth_tracker", None)
@@ -306,7 +306,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
                 failed = failed._replace(failure=np.asarray(code, np.int32))
             raise _errors.LossScaleError(scalers.failure_message(failed))
         return
-    refuse_wrapper_inside_multisteps(state)
+    refuse_misplaced_wrapper(state)
     wrapper = _get_wrapper_state(state, path)
     scaler = wrapper.scaler
     failure, growths, scaler_failure, scale = _read_once((

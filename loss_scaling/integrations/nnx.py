@@ -42,7 +42,7 @@ from loss_scaling.core.scalers import (
     StaticLossScale,
 )
 from loss_scaling.grad import WRONG_FIRST_ARGUMENT, scaler_of_state, split_loss_and_aux
-from loss_scaling.lookup import get_loss_scale, refuse_wrapper_inside_multisteps
+from loss_scaling.lookup import get_loss_scale, refuse_misplaced_wrapper
 from loss_scaling.wrapper.state import LossScalingState, UnderflowStats
 from loss_scaling.wrapper.transform import apply_gradients
 
@@ -198,7 +198,7 @@ class Optimizer(nnx.Optimizer):
 
     def __init__(self, model: Any, tx: Any, *, wrt: Any, graph: bool | None = None) -> None:
         super().__init__(model, tx, wrt=wrt, graph=graph)
-        refuse_wrapper_inside_multisteps(self.opt_state)
+        refuse_misplaced_wrapper(self.opt_state)
         for _, state in _wrapper_states(self.opt_state):
             scaler = state.scaler
             if isinstance(scaler, DynamicLossScale):

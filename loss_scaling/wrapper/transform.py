@@ -22,7 +22,6 @@ README's benchmark table).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import optax
@@ -32,6 +31,7 @@ from loss_scaling.core import update as scalers
 from loss_scaling.core import validation
 from loss_scaling.core.numerics import AxisName
 from loss_scaling.core.scalers import SCALER_TYPES, DynamicLossScale, LossScale, require_scaler
+from loss_scaling.wrapper.placement import refuse_misplaced_wrapper
 from loss_scaling.wrapper.state import (
     MAX_REPLAYS,
     LossScalingState,
@@ -44,8 +44,6 @@ from loss_scaling.wrapper.state import (
     gradient_leaf_count,
     initial_state,
     refuse_other_state,
-    refuse_wrapper_inside_multisteps,
-    wrapper_states_in,
 )
 from loss_scaling.wrapper.step import guarded_step
 
@@ -230,7 +228,8 @@ def apply_gradients(
     neither the unscaled gradients nor the updates are ever materialized: the cheapest
     step (one extra read of the gradients over a bare optimizer step). A skipped step
     returns ``params`` itself. Any other ``tx`` falls back to ``tx.update`` followed by
-    ``optax.apply_updates``.
+    ``optax.apply_updates``; a ``tx`` that holds the wrapper anywhere but outermost (after
+    a clip in ``optax.chain``, ...) is refused (``docs/common_mistakes.md``).
 
     Args:
       tx: the transformation (ideally the result of :func:`with_loss_scaling`).
@@ -244,6 +243,11 @@ def apply_gradients(
 
     Returns:
       ``(new_params, new_opt_state)``.
+
+    Raises:
+      ValueError: if ``opt_state`` holds the wrapper's state inside another
+        transformation's (``optax.chain(clip, wrapper)``, ``optax.MultiSteps(wrapper)``):
+        the message says what that transformation does wrong and how to put it inside.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -261,8 +265,7 @@ def apply_gradients(
         return guarded_step(options, grads, opt_state, params, extra_args, fused=True)
     if isinstance(opt_state, LossScalingState):
         raise TypeError(NOT_THE_WRAPPER.format(what=_errors.describe(tx)))
-    refuse_wrapper_inside_multisteps(opt_state)
-    _warn_if_fused_path_lost(tx, opt_state)
+    refuse_misplaced_wrapper(opt_state)
     updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     return optax.apply_updates(params, updates), opt_state
 
@@ -297,22 +300,3 @@ def _refuse_other_inner(inner: Any) -> None:
         hint = ""
     raise TypeError(NOT_AN_OPTIMIZER.format(what=_errors.describe(inner), hint=hint))
 
-
-FUSED_PATH_LOST = (
-    "apply_gradients: this optimizer state holds a with_loss_scaling state, but `tx` is not "
-    "the transformation with_loss_scaling returned (it is wrapped: optax.chain, "
-    "inject_hyperparams, ...), so the step takes the plain path (tx.update, then "
-    "apply_updates: about 2x slower than the fused step on CPU). For the fused step, put "
-    "the wrapper outermost: `ls.with_loss_scaling(optax.chain(...))`, "
-    "`ls.with_loss_scaling(optax.inject_hyperparams(optax.adam)(...))`."
-)
-
-
-def _warn_if_fused_path_lost(tx: Any, opt_state: Any) -> None:
-    """A :class:`LossScaleWarning` (once per call site) when ``tx`` hides a wrapper whose
-    state ``opt_state`` holds: the silent fallback to the plain path made visible."""
-    found = wrapper_states_in(opt_state)
-    # Several wrappers (one per `optax.multi_transform` group) have no fused form to
-    # point at: the plain path is theirs.
-    if len(found) == 1:
-        warnings.warn(FUSED_PATH_LOST, _errors.LossScaleWarning, stacklevel=3)
