@@ -70,6 +70,17 @@ def split_loss_and_aux(fun: Callable[..., Any], out: Any, has_aux: bool) -> tupl
     return out, None
 
 
+def scaled_loss(fun: Callable[..., Any], has_aux: bool, scaler: Any, *args: Any,
+                **kwargs: Any) -> tuple[Any, tuple[Any, Any]]:
+    """``(scaled loss, (loss, aux))`` of ``fun``: the one place the loss functions given
+    to ``value_and_grad`` (and the integrations') are called and scaled. A ``ls.scale``
+    inside ``fun`` raises (the loss would be scaled twice)."""
+    with tree.scaling_a_loss():
+        out = fun(*args, **kwargs)
+    loss, aux = split_loss_and_aux(fun, out, has_aux)
+    return tree.scale_loss(scaler, loss), (loss, aux)
+
+
 def scaler_of_state(state: Any) -> Any:
     """The loss scale that ``state`` holds, or an error saying what the first argument is."""
     if isinstance(state, SCALER_TYPES):
@@ -149,8 +160,7 @@ def value_and_grad(
         scaler = scaler_of_state(state)
 
         def scaled(*args: Any, **kwargs: Any) -> Any:
-            loss, aux = split_loss_and_aux(fun, fun(*args, **kwargs), has_aux)
-            return tree.scale(scaler, loss), (loss, aux)
+            return scaled_loss(fun, has_aux, scaler, *args, **kwargs)
 
         (_, (loss, aux)), grads = jax.value_and_grad(scaled, argnums, has_aux=True)(
             *args, **kwargs)

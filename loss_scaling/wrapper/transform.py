@@ -30,7 +30,14 @@ from loss_scaling import _errors
 from loss_scaling.core import update as scalers
 from loss_scaling.core import validation
 from loss_scaling.core.numerics import AxisName
-from loss_scaling.core.scalers import SCALER_TYPES, DynamicLossScale, LossScale, require_scaler
+from loss_scaling.core.scalers import (
+    SCALER_TYPES,
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    require_scaler,
+)
+from loss_scaling.wrapper import provenance
 from loss_scaling.wrapper.placement import refuse_misplaced_wrapper
 from loss_scaling.wrapper.state import (
     MAX_REPLAYS,
@@ -204,6 +211,7 @@ def with_loss_scaling(
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScalingState]:
         refuse_other_state(state, "tx.update(grads, opt_state, params)")
+        _check_scaled(updates, state, params, "tx.update(grads, opt_state, params)")
         return guarded_step(options, updates, state, params, extra_args, fused=False)
 
     # On the update function too: a transformation rebuilt around it
@@ -261,13 +269,22 @@ def apply_gradients(
     """
     options = getattr(getattr(tx, "update", None), "options", None)
     if isinstance(options, WrapperOptions):
-        refuse_other_state(opt_state, "ls.apply_gradients(tx, grads, opt_state, params)")
+        call = "ls.apply_gradients(tx, grads, opt_state, params)"
+        refuse_other_state(opt_state, call)
+        _check_scaled(grads, opt_state, params, call)
         return guarded_step(options, grads, opt_state, params, extra_args, fused=True)
     if isinstance(opt_state, LossScalingState):
         raise TypeError(NOT_THE_WRAPPER.format(what=_errors.describe(tx)))
     refuse_misplaced_wrapper(opt_state)
     updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     return optax.apply_updates(params, updates), opt_state
+
+
+def _check_scaled(grads: Any, state: LossScalingState, params: Any, call: str) -> None:
+    """Trace time only, nothing compiled: gradients of a loss that was not scaled
+    (:mod:`loss_scaling.wrapper.provenance`)."""
+    if not isinstance(state.scaler, NoOpLossScale):
+        provenance.warn_if_loss_not_scaled(grads, state.scaler.loss_scale, params, call)
 
 
 NOT_THE_WRAPPER = (
