@@ -164,7 +164,7 @@ def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
 
 
 def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: Any,
-                decision: StepDecision) -> LossScalingState:
+                decision: StepDecision, loss_given: bool) -> LossScalingState:
     applied = decision.apply
     if options.nonfinite_loss == "skip":
         # The forward pass, not the scale, made the loss non-finite: leave the scale be.
@@ -178,8 +178,12 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
                                          decision.grads_max)
     consecutive_skips = _count(state.consecutive_skips, applied, reset=True)
 
+    # A forward pass that keeps failing: only compiled when a loss is given.
+    loss_fails = (None if not loss_given or options.max_nonfinite_losses is None else
+                  ~decision.loss_finite & (consecutive_skips >= options.max_nonfinite_losses))
     failure, fails, new_scaler = _next_failure(options, state, stepped_scaler,
-                                               consecutive_skips, decision.valid_scale)
+                                               consecutive_skips, decision.valid_scale,
+                                               loss_fails)
 
     # Growths since the last overflow (the mis-use detector), and the underflow statistics.
     grew = jnp.asarray(new_scaler.loss_scale) > jnp.asarray(state.scaler.loss_scale)
@@ -215,8 +219,8 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
 
 
 def _next_failure(options: WrapperOptions, state: LossScalingState, stepped_scaler: LossScale,
-                  consecutive_skips: jax.Array,
-                  valid_scale: jax.Array) -> tuple[jax.Array, jax.Array, LossScale]:
+                  consecutive_skips: jax.Array, valid_scale: jax.Array,
+                  loss_fails: jax.Array | None) -> tuple[jax.Array, jax.Array, LossScale]:
     """The failure code after this step, whether it is new, and the scaler to keep.
 
     The first failure wins and is kept; the scaler is frozen from then on. One register:
@@ -231,6 +235,9 @@ def _next_failure(options: WrapperOptions, state: LossScalingState, stepped_scal
         failure = jnp.where(
             (failure == Failure.NONE) & (consecutive_skips >= options.max_consecutive_skips),
             Failure.TOO_MANY_SKIPS, failure)
+    if loss_fails is not None:
+        failure = jnp.where((failure == Failure.NONE) & loss_fails, Failure.NONFINITE_LOSS,
+                            failure)
     failure = jnp.where(failed_before, state.failure, failure).astype(jnp.int32)
     fails = ~failed_before & (failure != Failure.NONE)
     new_scaler = optax.tree.where(failed_before, state.scaler, stepped_scaler)
@@ -327,4 +334,5 @@ def guarded_step(options: WrapperOptions, grads: Any, state: LossScalingState, p
             shapes = types[-1] if types else jax.eval_shape(step, operands)[0]
             return optax.tree.full_like(shapes, -0.0), state.inner_state
         out, new_inner = skip_cond(decision.apply, stepped, skip, None)
-    return out, _next_state(options, state, new_inner, decision)
+    return out, _next_state(options, state, new_inner, decision,
+                            extra_args.get("loss") is not None)

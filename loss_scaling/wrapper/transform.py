@@ -40,6 +40,7 @@ from loss_scaling.core.scalers import (
 from loss_scaling.wrapper import provenance
 from loss_scaling.wrapper.placement import refuse_misplaced_wrapper
 from loss_scaling.wrapper.state import (
+    MAX_NONFINITE_LOSSES,
     MAX_REPLAYS,
     LossScalingState,
     NonFiniteLoss,
@@ -79,6 +80,7 @@ def with_loss_scaling(
     nonfinite_loss: NonFiniteLoss = "backoff",
     underflow_diagnostics: bool = False,
     max_replays: int = 0,
+    max_nonfinite_losses: int | None = MAX_NONFINITE_LOSSES,
 ) -> LossScalingTransformation:
     """Wraps ``inner`` so that it takes gradients of the scaled loss and skips bad steps.
 
@@ -142,14 +144,24 @@ def with_loss_scaling(
         ``metrics(...)["replays"]``. An integer in [0, 64]; 0 (the default) is off and
         compiles nothing. ``StaticLossScale`` and ``NoOpLossScale`` cannot back off:
         their steps are skipped as without it.
+      max_nonfinite_losses: a forward pass that keeps failing ends the run, named: when
+        the ``loss=`` given to the update is not finite on the
+        ``max_nonfinite_losses``-th skipped step in a row (or a later one), the run fails
+        closed (``Failure.NONFINITE_LOSS``: every later step skipped, and
+        :func:`loss_scaling.check` raises a :class:`loss_scaling.LossScaleError` that
+        names the non-finite loss and points to :func:`loss_scaling.find_overflow`),
+        instead of backing off to the float32 floor (~141 backoffs) or skipping forever.
+        A positive integer, 16 by default (16 backoffs take the default scale from 2**15
+        to 0.5); ``None`` turns it off. Compiled only into steps given a ``loss=``.
 
     Returns:
       A :class:`LossScalingTransformation` (an ``optax.GradientTransformationExtraArgs``).
 
     Raises:
       ValueError: for an unknown ``skip``, ``on_failure`` or ``nonfinite_loss``, a
-        ``max_consecutive_skips`` that is not a positive integer, or a ``max_replays``
-        outside [0, 64]; from ``update``, with replay on and no ``value_fn=``.
+        ``max_consecutive_skips`` or ``max_nonfinite_losses`` that is not a positive
+        integer, or a ``max_replays`` outside [0, 64]; from ``update``, with replay on
+        and no ``value_fn=``.
       TypeError: if ``inner`` is not an optax transformation or ``scaler`` not a
         loss-scale state; from ``init``, if a params leaf
         has a dtype without a zero (``float8_e8m0fnu``), which no skipped step can keep.
@@ -181,6 +193,9 @@ def with_loss_scaling(
     if max_consecutive_skips is not None:
         max_consecutive_skips = validation.positive_int32("max_consecutive_skips",
                                                        max_consecutive_skips)
+    if max_nonfinite_losses is not None:
+        max_nonfinite_losses = validation.positive_int32("max_nonfinite_losses",
+                                                      max_nonfinite_losses)
     max_replays = validation.int_in_range(
         "max_replays", max_replays, 0, MAX_REPLAYS,
         " Pass 0 (the default) for no replay, or a small count such as 2: each replay is "
@@ -195,7 +210,8 @@ def with_loss_scaling(
     options = WrapperOptions(
         inner=inner, axis_name=axis_name, skip=skip, on_failure=on_failure,
         max_consecutive_skips=max_consecutive_skips, nonfinite_loss=nonfinite_loss,
-        underflow_diagnostics=bool(underflow_diagnostics), max_replays=max_replays)
+        underflow_diagnostics=bool(underflow_diagnostics), max_replays=max_replays,
+        max_nonfinite_losses=max_nonfinite_losses)
 
     def init_fn(params: optax.Params) -> LossScalingState:
         _refuse_dtypes_without_zero(params)
