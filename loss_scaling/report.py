@@ -22,10 +22,10 @@ from loss_scaling.core.scalers import (
 )
 from loss_scaling.lookup import _NO_CONFIG, _get_wrapper_state, refuse_misplaced_wrapper
 from loss_scaling.wrapper.state import (
-    SUSPICIOUS_GROWTHS,
     UnderflowStats,
     failure_message,
     leaf_names,
+    scale_suspicious,
 )
 
 __all__ = ["check", "metrics", "nonfinite_grad_paths"]
@@ -55,9 +55,9 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       run has failed, and why (:func:`check` raises it on the host); ``clean_growths``
       (growths of the scale since the last overflow) and ``scale_suspicious``
       (``clean_growths >= SUSPICIOUS_GROWTHS``, 20: the scale grew a millionfold without one
-      overflow, which points at a loss that was not scaled, or a model that needs no
-      scaling); ``grad_norm`` (float32: the global norm of the last step's unscaled
-      gradients, inf on a step skipped for them, see
+      overflow, or grew past ``2**64`` without one; either points at a loss that was not
+      scaled, or a model that needs no scaling); ``grad_norm`` (float32: the global norm
+      of the last step's unscaled gradients, inf on a step skipped for them, see
       :class:`loss_scaling.LossScalingState`); ``replays`` (batches recomputed at a
       backed-off scale in total, with ``max_replays``; docs/replay.md) and
       ``last_step_replays`` (those of the last step).
@@ -98,7 +98,8 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
         "failed": state.failure != _errors.Failure.NONE,
         "failure": state.failure,
         "clean_growths": state.clean_growths,
-        "scale_suspicious": state.clean_growths >= SUSPICIOUS_GROWTHS,
+        "scale_suspicious": scale_suspicious(state.clean_growths,
+                                             jnp.asarray(scaler.loss_scale)),
         "grad_norm": state.grad_norm,
         "replays": state.replays,
         "last_step_replays": state.last_step_replays,
@@ -273,9 +274,12 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
 
     Warns:
       LossScaleWarning: if the scale grew :data:`SUSPICIOUS_GROWTHS` (20) times in a row
-        without a single overflow: a millionfold growth with gradients that never come near
-        float16's range points at a loss that was not scaled (use ``ls.scale`` /
-        ``ls.value_and_grad``), or at a model that needs no loss scaling.
+        without a single overflow, or past ``2**64`` without one: a millionfold growth
+        with gradients that never come near float16's range points at a loss that was
+        not scaled (use ``ls.scale`` / ``ls.value_and_grad``), or at a model that needs
+        no loss scaling. Under ``jit`` the update already warns while it is traced
+        (:mod:`loss_scaling.wrapper.provenance`); this is the fallback for what tracing
+        cannot see.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -328,7 +332,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
                 f"{float(np.asarray(scaler.loss_scale))!r}). {_NO_CONFIG} For the full "
                 "message, call check on the optimizer.")
         raise _errors.LossScaleError(failure_message(failed, names))
-    if np.any(growths >= SUSPICIOUS_GROWTHS):
+    if scale is not None and np.any(scale_suspicious(growths, scale)):
         now = float(_host(jnp.asarray(wrapper.scaler.loss_scale)).reshape(-1)[0])
         warnings.warn(_errors.SUSPICIOUS_SCALE.format(growths=int(np.max(growths)),
                                                       scale=now), _errors.LossScaleWarning,
