@@ -22,13 +22,27 @@ from loss_scaling.core.scalers import (
 )
 from loss_scaling.lookup import _NO_CONFIG, _get_wrapper_state, refuse_misplaced_wrapper
 from loss_scaling.wrapper.state import (
+    SUSPICIOUS_GROWTHS,
     UnderflowStats,
     failure_message,
     leaf_names,
-    scale_suspicious,
 )
 
 __all__ = ["check", "metrics", "nonfinite_grad_paths"]
+
+SUSPICIOUS_SCALE = 2.0**64
+"""A scale this large, grown to without an overflow, is suspicious too: the scaled
+gradients of a float16 model stay below 65504, so its true gradients would all be below
+2**-48. ``growth="headroom"`` on an unscaled loss grows by large factors but fewer than
+:data:`SUSPICIOUS_GROWTHS` times before it stops at float32's top; it passes this (about
+1,300 steps at the defaults on a small quadratic)."""
+
+
+def scale_suspicious(clean_growths: Any, loss_scale: Any) -> Any:
+    """The mis-use detector (in-graph or on the host, elementwise): many growths in a row
+    without an overflow, or any that took the scale past :data:`SUSPICIOUS_SCALE`."""
+    return (clean_growths >= SUSPICIOUS_GROWTHS) | (
+        (clean_growths > 0) & (loss_scale >= SUSPICIOUS_SCALE))
 
 
 METRICS_OF_A_SCALER = (

@@ -26,10 +26,7 @@ REPLAY_EXTRA_ARG = "value_fn"
 """The loss function (of the params, unscaled) that a replay differentiates again; also
 forwarded to an inner optimizer whose ``update`` takes it (optax's line searches)."""
 MAX_NONFINITE_LOSSES = 16
-"""The default ``max_nonfinite_losses``: a loss that is still non-finite on the 16th
-skipped step in a row comes from a forward pass that keeps failing (16 backoffs take the
-default scale from 2**15 to 0.5; without the limit the backoffs would go on to the float32
-floor, ~141 of them)."""
+"""The default ``max_nonfinite_losses`` (16 backoffs take the default scale to 0.5)."""
 MAX_REPLAYS = 64
 """The largest ``max_replays``: 64 backoffs by 0.5 take any float32 scale below 2**-40."""
 """Extra arguments of ``update`` that are the wrapper's own (checked) and not forwarded:
@@ -117,19 +114,6 @@ class UnderflowStats(NamedTuple):
 
 SUSPICIOUS_GROWTHS = 20
 """Growths in a row without an overflow after which the scale is suspicious (2**20 up)."""
-SUSPICIOUS_SCALE = 2.0**64
-"""A scale this large, grown to without an overflow, is suspicious too: the scaled
-gradients of a float16 model stay below 65504, so its true gradients would all be below
-2**-48. ``growth="headroom"`` on an unscaled loss grows by large factors but fewer than
-:data:`SUSPICIOUS_GROWTHS` times before it stops at float32's top; it passes this (about
-1,300 steps at the defaults on a small quadratic)."""
-
-
-def scale_suspicious(clean_growths: Any, loss_scale: Any) -> Any:
-    """The mis-use detector (in-graph or on the host, elementwise): many growths in a row
-    without an overflow, or any that took the scale past :data:`SUSPICIOUS_SCALE`."""
-    return (clean_growths >= SUSPICIOUS_GROWTHS) | (
-        (clean_growths > 0) & (loss_scale >= SUSPICIOUS_SCALE))
 
 _F16_TINY = float(np.finfo(np.float16).tiny)
 _BELOW_F16_TINY = float(np.nextafter(np.float32(_F16_TINY), np.float32(0)))

@@ -178,12 +178,8 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
                                          decision.grads_max)
     consecutive_skips = _count(state.consecutive_skips, applied, reset=True)
 
-    # A forward pass that keeps failing: only compiled when a loss is given.
-    loss_fails = (None if not loss_given or options.max_nonfinite_losses is None else
-                  ~decision.loss_finite & (consecutive_skips >= options.max_nonfinite_losses))
     failure, fails, new_scaler = _next_failure(options, state, stepped_scaler,
-                                               consecutive_skips, decision.valid_scale,
-                                               loss_fails)
+                                               consecutive_skips, decision, loss_given)
 
     # Growths since the last overflow (the mis-use detector), and the underflow statistics.
     grew = jnp.asarray(new_scaler.loss_scale) > jnp.asarray(state.scaler.loss_scale)
@@ -219,23 +215,27 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
 
 
 def _next_failure(options: WrapperOptions, state: LossScalingState, stepped_scaler: LossScale,
-                  consecutive_skips: jax.Array, valid_scale: jax.Array,
-                  loss_fails: jax.Array | None) -> tuple[jax.Array, jax.Array, LossScale]:
+                  consecutive_skips: jax.Array, decision: StepDecision,
+                  loss_given: bool) -> tuple[jax.Array, jax.Array, LossScale]:
     """The failure code after this step, whether it is new, and the scaler to keep.
 
     The first failure wins and is kept; the scaler is frozen from then on. One register:
     the wrapper's code is also written into a dynamic scaler's own ``failure``, so that
     ``ls.check(scaler)`` and the scaler's state dict carry a ``TOO_MANY_SKIPS`` too (a
-    restore of that JSON does not heal the run).
+    restore of that JSON does not heal the run). ``NONFINITE_LOSS`` (a loss still
+    non-finite on the ``max_nonfinite_losses``-th skip in a row) is compiled only into
+    steps given a ``loss=``.
     """
     failed_before = state.failure != Failure.NONE
     failure = getattr(stepped_scaler, "failure", jnp.int32(Failure.NONE))
-    failure = jnp.where(valid_scale, failure, Failure.INVALID_SCALE)
+    failure = jnp.where(decision.valid_scale, failure, Failure.INVALID_SCALE)
     if options.max_consecutive_skips is not None:
         failure = jnp.where(
             (failure == Failure.NONE) & (consecutive_skips >= options.max_consecutive_skips),
             Failure.TOO_MANY_SKIPS, failure)
-    if loss_fails is not None:
+    if loss_given and options.max_nonfinite_losses is not None:  # only with a loss=
+        loss_fails = ~decision.loss_finite & (consecutive_skips
+                                              >= options.max_nonfinite_losses)
         failure = jnp.where((failure == Failure.NONE) & loss_fails, Failure.NONFINITE_LOSS,
                             failure)
     failure = jnp.where(failed_before, state.failure, failure).astype(jnp.int32)

@@ -190,12 +190,8 @@ def with_loss_scaling(
         raise ValueError(f"skip must be 'auto', 'cond' or 'select', got {skip!r}.")
     if nonfinite_loss not in ("backoff", "skip"):
         raise ValueError(f"nonfinite_loss must be 'backoff' or 'skip', got {nonfinite_loss!r}.")
-    if max_consecutive_skips is not None:
-        max_consecutive_skips = validation.positive_int32("max_consecutive_skips",
-                                                       max_consecutive_skips)
-    if max_nonfinite_losses is not None:
-        max_nonfinite_losses = validation.positive_int32("max_nonfinite_losses",
-                                                      max_nonfinite_losses)
+    max_consecutive_skips = _optional_count("max_consecutive_skips", max_consecutive_skips)
+    max_nonfinite_losses = _optional_count("max_nonfinite_losses", max_nonfinite_losses)
     max_replays = validation.int_in_range(
         "max_replays", max_replays, 0, MAX_REPLAYS,
         " Pass 0 (the default) for no replay, or a small count such as 2: each replay is "
@@ -294,6 +290,10 @@ def apply_gradients(
     refuse_misplaced_wrapper(opt_state)
     updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     return optax.apply_updates(params, updates), opt_state
+
+
+def _optional_count(name: str, value: int | None) -> int | None:
+    return None if value is None else validation.positive_int32(name, value)
 
 
 def _check_scaled(grads: Any, state: LossScalingState, params: Any, call: str) -> None:
