@@ -334,3 +334,23 @@ def test_the_compiled_default_step_is_unchanged_without_a_loss():
                 step = jax.jit(lambda g, s, p, tx=tx: tx.update(g, s, p))
             texts.append(step.lower(grads, tx.init(params), params).as_text())
         assert texts[0] == texts[1]
+
+
+def test_a_headroom_scale_grown_past_2_64_without_an_overflow_is_suspicious():
+    # What tracing cannot see (gradients passed into the step): the run-time fallback.
+    # The headroom rule on an unscaled loss grows by large factors, fewer than
+    # SUSPICIOUS_GROWTHS times, and stops at float32's top: 20 growths never came.
+    tx = ls.with_loss_scaling(optax.sgd(1e-3), ls.DynamicLossScale(growth="headroom",
+                                                                   headroom_window=1))
+    params = {"w": jnp.ones(3)}
+    opt_state = tx.init(params)
+    step = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
+    grads = {"w": jnp.full(3, 1e-3)}  # the same small gradients at any scale
+    for _ in range(3):
+        ls.check(opt_state)  # no warning yet (warnings are errors)
+        params, opt_state = step(grads, opt_state, params)
+    m = ls.metrics(opt_state)
+    assert float(m["loss_scale"]) > 2.0**64 and int(m["clean_growths"]) < 20
+    assert bool(m["scale_suspicious"])
+    with pytest.warns(ls.LossScaleWarning, match="without a single overflow"):
+        ls.check(opt_state)
