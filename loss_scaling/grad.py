@@ -143,6 +143,9 @@ def value_and_grad(
         hold) a loss scale: e.g. the model passed first, or the optimizer forgotten.
       TypeError: when ``fun``'s output does not match ``has_aux`` (a bare loss with
         ``has_aux=True``, a tuple or list with ``has_aux=False``), naming both.
+      ValueError: when the state holds the wrapper inside another transformation (after
+        a clip in ``optax.chain``, ...; :mod:`loss_scaling.wrapper.placement`), and when
+        ``fun`` calls ``ls.scale`` (the loss would be scaled twice).
 
     Examples:
       >>> import jax.numpy as jnp

@@ -68,8 +68,9 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
     Examples:
       >>> import jax.numpy as jnp, optax
       >>> import loss_scaling as ls
-      >>> tx = optax.chain(ls.with_loss_scaling(optax.adam(1e-3)), optax.identity())
-      >>> float(ls.get_loss_scale(tx.init(jnp.zeros(3))).loss_scale)
+      >>> tx = ls.with_loss_scaling(optax.adam(1e-3))
+      >>> checkpoint = {"params": jnp.zeros(3), "opt_state": tx.init(jnp.zeros(3))}
+      >>> float(ls.get_loss_scale(checkpoint).loss_scale)
       32768.0
     """
     if isinstance(opt_state, SCALER_TYPES):  # already the loss scale (ls.check takes it too)
