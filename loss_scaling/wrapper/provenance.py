@@ -46,18 +46,19 @@ def _inputs(x: Any) -> Iterable[Any]:
     return () if eqn is None else getattr(eqn, "in_tracers", ())
 
 
-def _ancestors(start: list[Any]) -> dict[int, Any] | None:
-    """Every tracer ``start`` was computed from, itself included (by ``id``); ``None``
-    beyond :data:`MAX_NODES`."""
+def _ancestors(start: list[Any], stop: set[int] | None = None) -> dict[int, Any] | None:
+    """Every tracer ``start`` was computed from, itself included (by ``id``); the walk
+    ends early at a tracer in ``stop``. ``None`` beyond :data:`MAX_NODES`."""
+    stop = stop or set()
     seen = {id(x): x for x in start}
     stack = list(start)
     while stack:
         for parent in _inputs(stack.pop()):
             if id(parent) not in seen and _traced(parent):
                 seen[id(parent)] = parent
+                if id(parent) in stop or len(seen) > MAX_NODES:
+                    return seen if id(parent) in stop else None
                 stack.append(parent)
-                if len(seen) > MAX_NODES:
-                    return None
     return seen
 
 
@@ -81,12 +82,14 @@ def loss_not_scaled(grads: Any, scale: Any, params: Any) -> bool:
     param_leaves = [x for x in jax.tree.leaves(params) if _traced(x)]
     if not param_leaves:
         return False
-    found = _ancestors(grad_leaves)
     scale_marks = _marks([scale])
-    param_marks = _marks(param_leaves)
-    if found is None or scale_marks is None or param_marks is None:
+    if scale_marks is None:
         return False
-    return not (scale_marks & found.keys()) and bool(param_marks & found.keys())
+    found = _ancestors(grad_leaves, stop=scale_marks)  # ends at the scale: the common case
+    if found is None or scale_marks & found.keys():
+        return False
+    param_marks = _marks(param_leaves)
+    return param_marks is not None and bool(param_marks & found.keys())
 
 
 LOSS_NOT_SCALED = (
