@@ -84,6 +84,16 @@ def test_a_transformation_outside_the_wrapper_is_refused_wherever_the_state_is_s
     assert float(ls.get_loss_scale(opt_state).loss_scale) == 8.0
 
 
+def test_a_wrapper_wrapped_again_is_refused():
+    # Unscaled twice, by two loss scales: every step 1/scale the size it should be.
+    with pytest.raises(TypeError, match=r"already a `ls.with_loss_scaling\(...\)`.*unscaled "
+                                        r"twice"):
+        ls.with_loss_scaling(wrapped())
+    rebuilt = optax.GradientTransformationExtraArgs(wrapped().init, wrapped().update)
+    with pytest.raises(TypeError, match="unscaled twice"):
+        ls.with_loss_scaling(rebuilt)
+
+
 def test_the_integrations_refuse_it_too():
     tx = OUTSIDE["clip_before"][0]()
     model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))

@@ -317,9 +317,21 @@ NOT_AN_OPTIMIZER = (
 )
 
 
+WRAPPED_TWICE = (
+    "with_loss_scaling(inner, scaler): inner is already a `ls.with_loss_scaling(...)` "
+    "transformation. Wrapped twice, the gradients would be unscaled twice (divided by the "
+    "scale squared: every step 1/scale the size it should be) by two loss scales of which "
+    "only one scaled the loss. Wrap the optimizer once: "
+    "`ls.with_loss_scaling(optax.adam(1e-3), ls.DynamicLossScale(...))`."
+)
+
+
 def _refuse_other_inner(inner: Any) -> None:
-    """A ``TypeError`` naming ``inner`` and the fix: the loss scale first, or the
-    optimizer's factory uncalled, otherwise fail later as a missing ``init``."""
+    """A ``TypeError`` naming ``inner`` and the fix: the loss scale first, the optimizer's
+    factory uncalled, or a wrapper wrapped again; otherwise fail later as a missing
+    ``init``."""
+    if isinstance(getattr(getattr(inner, "update", None), "options", None), WrapperOptions):
+        raise TypeError(WRAPPED_TWICE)
     if callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None)):
         return
     if isinstance(inner, SCALER_TYPES):
