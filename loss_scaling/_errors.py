@@ -71,12 +71,16 @@ class Failure(enum.IntEnum):
         that reached the step without validation: an unchecked restore, pickle,
         ``tree_unflatten``).
       TOO_MANY_SKIPS: ``max_consecutive_skips`` steps in a row were skipped.
+      NONFINITE_LOSS: the ``loss=`` given to the update was not finite on the
+        ``max_nonfinite_losses``-th skipped step in a row: the forward pass itself keeps
+        failing, which no loss scale can fix.
     """
 
     NONE = 0
     BACKOFF_UNDERFLOW = 1
     INVALID_SCALE = 2
     TOO_MANY_SKIPS = 3
+    NONFINITE_LOSS = 4
 
     __module__ = "loss_scaling"
 
@@ -116,6 +120,21 @@ TOO_MANY_SKIPS = (
 )
 
 
+NONFINITE_LOSS = (
+    "the loss was not finite (inf/NaN) on the last of {count} consecutive skipped steps "
+    "(the limit is with_loss_scaling's max_nonfinite_losses), so the run stops (every "
+    "later step is skipped, params and optimizer state stay as they were; the loss scale "
+    "is {scale!r}). The loss "
+    "is computed before it is scaled: a non-finite loss comes from the forward pass "
+    "itself (an overflow in float16, a log of 0, a bad batch), and no loss scale can fix "
+    "it. `loss_scaling.find_overflow(loss_fn, *args)` names the layer, op and line where "
+    "the first inf/NaN appears; compute that part in float32, or fix the data."
+)
+
+
+def nonfinite_loss_message(count: Any, scale: Any) -> str:
+    return NONFINITE_LOSS.format(count=int(np.asarray(count)), scale=_float(scale))
+
 
 _repr = reprlib.Repr()
 _repr.maxstring = 60
@@ -145,6 +164,15 @@ SCALER_TOO_MANY_SKIPS = (
     "from it resumes failed too. `loss_scaling.check(opt_state, params)` names the "
     "gradient leaves that were non-finite; `loss_scaling.find_overflow(loss_fn, *args)` "
     "names the layer, op and line where the first inf/NaN appears."
+)
+
+
+SCALER_NONFINITE_LOSS = (
+    "the run stopped: the loss given to the optimizer wrapper was not finite on "
+    "max_nonfinite_losses consecutive skipped steps (the loss scale is now {scale!r}); the "
+    "forward pass itself produces inf/NaN, which no loss scale can fix. "
+    "`loss_scaling.find_overflow(loss_fn, *args)` names the layer, op and line where the "
+    "first inf/NaN appears."
 )
 
 

@@ -12,7 +12,7 @@ from loss_scaling import _registry
 from loss_scaling._errors import NoLossScaleFound, describe
 from loss_scaling.core import tree
 from loss_scaling.core.scalers import SCALER_TYPES
-from loss_scaling.lookup import get_loss_scale, refuse_wrapper_inside_multisteps
+from loss_scaling.lookup import get_loss_scale, refuse_misplaced_wrapper
 
 __all__ = ["value_and_grad"]
 
@@ -70,6 +70,17 @@ def split_loss_and_aux(fun: Callable[..., Any], out: Any, has_aux: bool) -> tupl
     return out, None
 
 
+def scaled_loss(fun: Callable[..., Any], has_aux: bool, scaler: Any, *args: Any,
+                **kwargs: Any) -> tuple[Any, tuple[Any, Any]]:
+    """``(scaled loss, (loss, aux))`` of ``fun``: the one place the loss functions given
+    to ``value_and_grad`` (and the integrations') are called and scaled. A ``ls.scale``
+    inside ``fun`` raises (the loss would be scaled twice)."""
+    with tree.scaling_a_loss():
+        out = fun(*args, **kwargs)
+    loss, aux = split_loss_and_aux(fun, out, has_aux)
+    return tree.scale_loss(scaler, loss), (loss, aux)
+
+
 def scaler_of_state(state: Any) -> Any:
     """The loss scale that ``state`` holds, or an error saying what the first argument is."""
     if isinstance(state, SCALER_TYPES):
@@ -77,7 +88,7 @@ def scaler_of_state(state: Any) -> Any:
     if isinstance(state, jax.Array):
         raise TypeError(WRONG_FIRST_ARGUMENT.format(
             what=describe(state), hint=" (an array: did you forget the loss scale?)"))
-    refuse_wrapper_inside_multisteps(state)
+    refuse_misplaced_wrapper(state)
     try:
         return get_loss_scale(state)
     except NoLossScaleFound as e:  # several loss scales: that message already says what to do
@@ -132,6 +143,9 @@ def value_and_grad(
         hold) a loss scale: e.g. the model passed first, or the optimizer forgotten.
       TypeError: when ``fun``'s output does not match ``has_aux`` (a bare loss with
         ``has_aux=True``, a tuple or list with ``has_aux=False``), naming both.
+      ValueError: when the state holds the wrapper inside another transformation (after
+        a clip in ``optax.chain``, ...; :mod:`loss_scaling.wrapper.placement`), and when
+        ``fun`` calls ``ls.scale`` (the loss would be scaled twice).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -149,8 +163,7 @@ def value_and_grad(
         scaler = scaler_of_state(state)
 
         def scaled(*args: Any, **kwargs: Any) -> Any:
-            loss, aux = split_loss_and_aux(fun, fun(*args, **kwargs), has_aux)
-            return tree.scale(scaler, loss), (loss, aux)
+            return scaled_loss(fun, has_aux, scaler, *args, **kwargs)
 
         (_, (loss, aux)), grads = jax.value_and_grad(scaled, argnums, has_aux=True)(
             *args, **kwargs)

@@ -8,6 +8,7 @@ from typing import Any
 from loss_scaling import _registry
 from loss_scaling._errors import NoLossScaleFound
 from loss_scaling.core.scalers import SCALER_TYPES, DynamicLossScale, LossScale
+from loss_scaling.wrapper import placement
 from loss_scaling.wrapper import state as wrapper_state
 from loss_scaling.wrapper.state import LossScalingState
 
@@ -27,10 +28,11 @@ def unwrap(x: Any) -> Any:
     return x
 
 
-def refuse_wrapper_inside_multisteps(opt_state: Any) -> None:
-    """Raises ``ValueError`` if a wrapper state sits inside an ``optax.MultiStepsState``
-    (of any state :func:`get_loss_scale` accepts)."""
-    wrapper_state.refuse_wrapper_inside_multisteps(unwrap(opt_state))
+def refuse_misplaced_wrapper(opt_state: Any) -> None:
+    """Raises ``ValueError`` if a wrapper state is not the outermost transformation (inside
+    ``optax.MultiSteps``, after a clip in ``optax.chain``, ...) of any state
+    :func:`get_loss_scale` accepts (:mod:`loss_scaling.wrapper.placement`)."""
+    placement.refuse_misplaced_wrapper(unwrap(opt_state))
 
 
 def all_wrapper_states(opt_state: Any) -> list[tuple[str, LossScalingState]]:
@@ -66,8 +68,9 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
     Examples:
       >>> import jax.numpy as jnp, optax
       >>> import loss_scaling as ls
-      >>> tx = optax.chain(ls.with_loss_scaling(optax.adam(1e-3)), optax.identity())
-      >>> float(ls.get_loss_scale(tx.init(jnp.zeros(3))).loss_scale)
+      >>> tx = ls.with_loss_scaling(optax.adam(1e-3))
+      >>> checkpoint = {"params": jnp.zeros(3), "opt_state": tx.init(jnp.zeros(3))}
+      >>> float(ls.get_loss_scale(checkpoint).loss_scale)
       32768.0
     """
     if isinstance(opt_state, SCALER_TYPES):  # already the loss scale (ls.check takes it too)

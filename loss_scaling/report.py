@@ -20,7 +20,7 @@ from loss_scaling.core.scalers import (
     NoOpLossScale,
     StaticLossScale,
 )
-from loss_scaling.lookup import _NO_CONFIG, _get_wrapper_state, refuse_wrapper_inside_multisteps
+from loss_scaling.lookup import _NO_CONFIG, _get_wrapper_state, refuse_misplaced_wrapper
 from loss_scaling.wrapper.state import (
     SUSPICIOUS_GROWTHS,
     UnderflowStats,
@@ -29,6 +29,20 @@ from loss_scaling.wrapper.state import (
 )
 
 __all__ = ["check", "metrics", "nonfinite_grad_paths"]
+
+SUSPICIOUS_SCALE = 2.0**64
+"""A scale this large, grown to without an overflow, is suspicious too: the scaled
+gradients of a float16 model stay below 65504, so its true gradients would all be below
+2**-48. ``growth="headroom"`` on an unscaled loss grows by large factors but fewer than
+:data:`SUSPICIOUS_GROWTHS` times before it stops at float32's top; it passes this (about
+1,300 steps at the defaults on a small quadratic)."""
+
+
+def scale_suspicious(clean_growths: Any, loss_scale: Any) -> Any:
+    """The mis-use detector (in-graph or on the host, elementwise): many growths in a row
+    without an overflow, or any that took the scale past :data:`SUSPICIOUS_SCALE`."""
+    return (clean_growths >= SUSPICIOUS_GROWTHS) | (
+        (clean_growths > 0) & (loss_scale >= SUSPICIOUS_SCALE))
 
 
 METRICS_OF_A_SCALER = (
@@ -55,9 +69,9 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       run has failed, and why (:func:`check` raises it on the host); ``clean_growths``
       (growths of the scale since the last overflow) and ``scale_suspicious``
       (``clean_growths >= SUSPICIOUS_GROWTHS``, 20: the scale grew a millionfold without one
-      overflow, which points at a loss that was not scaled, or a model that needs no
-      scaling); ``grad_norm`` (float32: the global norm of the last step's unscaled
-      gradients, inf on a step skipped for them, see
+      overflow, or grew past ``2**64`` without one; either points at a loss that was not
+      scaled, or a model that needs no scaling); ``grad_norm`` (float32: the global norm
+      of the last step's unscaled gradients, inf on a step skipped for them, see
       :class:`loss_scaling.LossScalingState`); ``replays`` (batches recomputed at a
       backed-off scale in total, with ``max_replays``; docs/replay.md) and
       ``last_step_replays`` (those of the last step).
@@ -83,7 +97,7 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
     """
     if isinstance(opt_state, SCALER_TYPES):
         raise TypeError(METRICS_OF_A_SCALER.format(what=type(opt_state).__name__))
-    refuse_wrapper_inside_multisteps(opt_state)
+    refuse_misplaced_wrapper(opt_state)
     state = _get_wrapper_state(opt_state, path)
     scaler = state.scaler
     tracker = getattr(scaler, "growth_tracker", None)
@@ -98,7 +112,8 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
         "failed": state.failure != _errors.Failure.NONE,
         "failure": state.failure,
         "clean_growths": state.clean_growths,
-        "scale_suspicious": state.clean_growths >= SUSPICIOUS_GROWTHS,
+        "scale_suspicious": scale_suspicious(state.clean_growths,
+                                             jnp.asarray(scaler.loss_scale)),
         "grad_norm": state.grad_norm,
         "replays": state.replays,
         "last_step_replays": state.last_step_replays,
@@ -273,9 +288,12 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
 
     Warns:
       LossScaleWarning: if the scale grew :data:`SUSPICIOUS_GROWTHS` (20) times in a row
-        without a single overflow: a millionfold growth with gradients that never come near
-        float16's range points at a loss that was not scaled (use ``ls.scale`` /
-        ``ls.value_and_grad``), or at a model that needs no loss scaling.
+        without a single overflow, or past ``2**64`` without one: a millionfold growth
+        with gradients that never come near float16's range points at a loss that was
+        not scaled (use ``ls.scale`` / ``ls.value_and_grad``), or at a model that needs
+        no loss scaling. Under ``jit`` the update already warns while it is traced
+        (:mod:`loss_scaling.wrapper.provenance`); this is the fallback for what tracing
+        cannot see.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -306,7 +324,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
                 failed = failed._replace(failure=np.asarray(code, np.int32))
             raise _errors.LossScaleError(scalers.failure_message(failed))
         return
-    refuse_wrapper_inside_multisteps(state)
+    refuse_misplaced_wrapper(state)
     wrapper = _get_wrapper_state(state, path)
     scaler = wrapper.scaler
     failure, growths, scaler_failure, scale = _read_once((
@@ -328,7 +346,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
                 f"{float(np.asarray(scaler.loss_scale))!r}). {_NO_CONFIG} For the full "
                 "message, call check on the optimizer.")
         raise _errors.LossScaleError(failure_message(failed, names))
-    if np.any(growths >= SUSPICIOUS_GROWTHS):
+    if scale is not None and np.any(scale_suspicious(growths, scale)):
         now = float(_host(jnp.asarray(wrapper.scaler.loss_scale)).reshape(-1)[0])
         warnings.warn(_errors.SUSPICIOUS_SCALE.format(growths=int(np.max(growths)),
                                                       scale=now), _errors.LossScaleWarning,

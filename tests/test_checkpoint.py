@@ -90,11 +90,13 @@ PARAMS = {"w": jnp.arange(6.0).reshape(3, 2), "b": jnp.array([0.5, -0.0])}
 
 
 def chained(scaler):
-    """A wrapped adamw inside optax.chain, then a schedule with its own state."""
-    return optax.chain(
-        ls.with_loss_scaling(optax.adamw(1e-2), scaler),
+    """The wrapper around an optax.chain of adamw and a schedule with its own state (the
+    wrapper outermost: a schedule chained after it would count skipped steps, and is
+    refused by ls.check / ls.metrics)."""
+    return ls.with_loss_scaling(optax.chain(
+        optax.adamw(1e-2),
         optax.scale_by_schedule(lambda count: 1.0 / (1.0 + 0.1 * count)),
-    )
+    ), scaler)
 
 
 def stepped_chain_state(scaler, poison=(1.0, INF, 1.0)):

@@ -16,6 +16,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -37,7 +40,37 @@ from loss_scaling.core.scalers import (
     require_scaler,
 )
 
-__all__ = ["all_finite", "grads_max", "scale", "unscale"]
+__all__ = ["all_finite", "grads_max", "scale", "scaling_a_loss", "unscale"]
+
+SCALED_TWICE = (
+    "ls.scale was called inside the loss function given to ls.value_and_grad, which "
+    "scales the loss itself: the loss would be scaled twice (by the scale squared), the "
+    "gradients would overflow or come out scale times too large, and the scale would back "
+    "off without end. Return the plain loss from the loss function, or differentiate "
+    "`ls.scale(s, loss_fn(...))` with `jax.grad` (docs/common_mistakes.md, \"Scaling "
+    "forgotten or doubled\")."
+)
+
+_SCALING_A_LOSS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "loss_scaling_scaling_a_loss", default=False)
+
+
+@contextlib.contextmanager
+def scaling_a_loss() -> Iterator[None]:
+    """While ``ls.value_and_grad`` calls the loss function (a trace-time fact): a
+    :func:`scale` inside it would scale the loss a second time, and raises."""
+    token = _SCALING_A_LOSS.set(True)
+    try:
+        yield
+    finally:
+        _SCALING_A_LOSS.reset(token)
+
+
+def scale_loss(state: LossScale, loss: Any) -> Any:
+    """:func:`scale` for ``ls.value_and_grad`` itself (no double-scaling check)."""
+    if isinstance(state, NoOpLossScale):
+        return loss
+    return _scale(state.loss_scale, loss)
 
 
 def _check_state(state: Any) -> None:
@@ -80,6 +113,8 @@ def scale(state: LossScale, tree: Any) -> Any:
 
     Raises:
       TypeError: if ``state`` is not a loss-scale state.
+      ValueError: when called inside a loss function that ``ls.value_and_grad`` is
+        differentiating (it scales the loss itself: the loss would be scaled twice).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -89,9 +124,9 @@ def scale(state: LossScale, tree: Any) -> Any:
       Array(131072., dtype=float32)
     """
     _check_state(state)
-    if isinstance(state, NoOpLossScale):
-        return tree
-    return _scale(state.loss_scale, tree)
+    if _SCALING_A_LOSS.get():
+        raise ValueError(SCALED_TWICE)
+    return scale_loss(state, tree)
 
 
 def unscale(state: LossScale, tree: Any) -> Any:

@@ -273,6 +273,9 @@ def failure_message(scaler: DynamicLossScale | StaticLossScale) -> str:
         return _errors.backoff_underflow_message(scaler.loss_scale, scaler.config.backoff_factor)
     if code == Failure.TOO_MANY_SKIPS:  # written by the wrapper (one register)
         return _errors.scaler_too_many_skips_message(scaler.loss_scale)
+    if code == Failure.NONFINITE_LOSS:  # written by the wrapper too
+        return _errors.SCALER_NONFINITE_LOSS.format(
+            scale=float(np.asarray(scaler.loss_scale, np.float32)))
     return _errors.invalid_scale_message(scaler.loss_scale)
 
 

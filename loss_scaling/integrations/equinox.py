@@ -24,8 +24,7 @@ import jax
 import optax
 
 from loss_scaling import _registry
-from loss_scaling.core import tree
-from loss_scaling.grad import scaler_of_state, split_loss_and_aux
+from loss_scaling.grad import scaled_loss, scaler_of_state
 from loss_scaling.lookup import all_wrapper_states
 from loss_scaling.wrapper.transform import apply_gradients as _apply_gradients
 
@@ -89,8 +88,7 @@ def filter_value_and_grad(
             full = list(args)
             for i in nums:
                 full[i] = eqx.combine(diff[i], parts[i][1])
-            loss, aux = split_loss_and_aux(fun, fun(*full, **kwargs), has_aux)
-            return tree.scale(scaler, loss), (loss, aux)
+            return scaled_loss(fun, has_aux, scaler, *full, **kwargs)
 
         diff = {i: parts[i][0] for i in nums}
         (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(diff)

@@ -10,7 +10,7 @@ from typing import Any
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
-from loss_scaling.lookup import refuse_wrapper_inside_multisteps
+from loss_scaling.lookup import refuse_misplaced_wrapper
 from loss_scaling.wrapper.transform import apply_gradients
 
 __all__ = ["TrainState"]
@@ -87,7 +87,7 @@ class TrainState(train_state.TrainState):
         hold the ``_overwrite_with_gradient`` collection); refuses the wrapper inside
         ``optax.MultiSteps``."""
         state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
-        refuse_wrapper_inside_multisteps(state.opt_state)
+        refuse_misplaced_wrapper(state.opt_state)
         return state
 
 

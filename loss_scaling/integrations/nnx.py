@@ -32,7 +32,6 @@ from flax import nnx
 from loss_scaling import _registry
 from loss_scaling._errors import describe
 from loss_scaling.checkpoint._values import place_like
-from loss_scaling.core import tree
 from loss_scaling.core.scalers import (
     _DYNAMIC_LEAVES,
     HEADROOM_LEAVES,
@@ -41,8 +40,8 @@ from loss_scaling.core.scalers import (
     NoOpLossScale,
     StaticLossScale,
 )
-from loss_scaling.grad import WRONG_FIRST_ARGUMENT, scaler_of_state, split_loss_and_aux
-from loss_scaling.lookup import get_loss_scale, refuse_wrapper_inside_multisteps
+from loss_scaling.grad import WRONG_FIRST_ARGUMENT, scaled_loss, scaler_of_state
+from loss_scaling.lookup import get_loss_scale, refuse_misplaced_wrapper
 from loss_scaling.wrapper.state import LossScalingState, UnderflowStats
 from loss_scaling.wrapper.transform import apply_gradients
 
@@ -146,8 +145,7 @@ def value_and_grad(
             nnx.DiffState(i, filter_) if is_graph_node(args[i]) else i for i in argnum_tuple)
 
         def scaled(*args: Any, **kwargs: Any) -> Any:
-            loss, aux = split_loss_and_aux(fun, fun(*args, **kwargs), has_aux)
-            return tree.scale(scaler, loss), (loss, aux)
+            return scaled_loss(fun, has_aux, scaler, *args, **kwargs)
 
         grad_fn = nnx.value_and_grad(
             scaled, argnums=nnx_argnums[0] if isinstance(argnums, int) else nnx_argnums,
@@ -198,7 +196,7 @@ class Optimizer(nnx.Optimizer):
 
     def __init__(self, model: Any, tx: Any, *, wrt: Any, graph: bool | None = None) -> None:
         super().__init__(model, tx, wrt=wrt, graph=graph)
-        refuse_wrapper_inside_multisteps(self.opt_state)
+        refuse_misplaced_wrapper(self.opt_state)
         for _, state in _wrapper_states(self.opt_state):
             scaler = state.scaler
             if isinstance(scaler, DynamicLossScale):

@@ -25,6 +25,8 @@ CONSUMED_EXTRA_ARGS = ("loss",)
 REPLAY_EXTRA_ARG = "value_fn"
 """The loss function (of the params, unscaled) that a replay differentiates again; also
 forwarded to an inner optimizer whose ``update`` takes it (optax's line searches)."""
+MAX_NONFINITE_LOSSES = 16
+"""The default ``max_nonfinite_losses`` (16 backoffs take the default scale to 0.5)."""
 MAX_REPLAYS = 64
 """The largest ``max_replays``: 64 backoffs by 0.5 take any float32 scale below 2**-40."""
 """Extra arguments of ``update`` that are the wrapper's own (checked) and not forwarded:
@@ -163,6 +165,7 @@ class WrapperOptions(NamedTuple):
     nonfinite_loss: NonFiniteLoss
     underflow_diagnostics: bool
     max_replays: int = 0
+    max_nonfinite_losses: int | None = None
 
 
 def initial_state(scaler: LossScale, inner_state: Any, n_grads: int,
@@ -256,6 +259,9 @@ def failure_message(state: LossScalingState, names: list[str] | None = None) -> 
         return _errors.too_many_skips_message(
             state.failure_skips, jnp.asarray(state.scaler.loss_scale),
             [name for name, bad in zip(names, flags, strict=True) if bad])
+    if code == Failure.NONFINITE_LOSS:
+        return _errors.nonfinite_loss_message(state.failure_skips,
+                                              jnp.asarray(state.scaler.loss_scale))
     if code == Failure.BACKOFF_UNDERFLOW:
         return scalers.failure_message(state.scaler)  # type: ignore[arg-type]
     return _errors.invalid_scale_message(jnp.asarray(state.scaler.loss_scale))

@@ -164,7 +164,7 @@ def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
 
 
 def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: Any,
-                decision: StepDecision) -> LossScalingState:
+                decision: StepDecision, loss_given: bool) -> LossScalingState:
     applied = decision.apply
     if options.nonfinite_loss == "skip":
         # The forward pass, not the scale, made the loss non-finite: leave the scale be.
@@ -179,7 +179,7 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
     consecutive_skips = _count(state.consecutive_skips, applied, reset=True)
 
     failure, fails, new_scaler = _next_failure(options, state, stepped_scaler,
-                                               consecutive_skips, decision.valid_scale)
+                                               consecutive_skips, decision, loss_given)
 
     # Growths since the last overflow (the mis-use detector), and the underflow statistics.
     grew = jnp.asarray(new_scaler.loss_scale) > jnp.asarray(state.scaler.loss_scale)
@@ -215,22 +215,29 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
 
 
 def _next_failure(options: WrapperOptions, state: LossScalingState, stepped_scaler: LossScale,
-                  consecutive_skips: jax.Array,
-                  valid_scale: jax.Array) -> tuple[jax.Array, jax.Array, LossScale]:
+                  consecutive_skips: jax.Array, decision: StepDecision,
+                  loss_given: bool) -> tuple[jax.Array, jax.Array, LossScale]:
     """The failure code after this step, whether it is new, and the scaler to keep.
 
     The first failure wins and is kept; the scaler is frozen from then on. One register:
     the wrapper's code is also written into a dynamic scaler's own ``failure``, so that
     ``ls.check(scaler)`` and the scaler's state dict carry a ``TOO_MANY_SKIPS`` too (a
-    restore of that JSON does not heal the run).
+    restore of that JSON does not heal the run). ``NONFINITE_LOSS`` (a loss still
+    non-finite on the ``max_nonfinite_losses``-th skip in a row) is compiled only into
+    steps given a ``loss=``.
     """
     failed_before = state.failure != Failure.NONE
     failure = getattr(stepped_scaler, "failure", jnp.int32(Failure.NONE))
-    failure = jnp.where(valid_scale, failure, Failure.INVALID_SCALE)
+    failure = jnp.where(decision.valid_scale, failure, Failure.INVALID_SCALE)
     if options.max_consecutive_skips is not None:
         failure = jnp.where(
             (failure == Failure.NONE) & (consecutive_skips >= options.max_consecutive_skips),
             Failure.TOO_MANY_SKIPS, failure)
+    if loss_given and options.max_nonfinite_losses is not None:  # only with a loss=
+        loss_fails = ~decision.loss_finite & (consecutive_skips
+                                              >= options.max_nonfinite_losses)
+        failure = jnp.where((failure == Failure.NONE) & loss_fails, Failure.NONFINITE_LOSS,
+                            failure)
     failure = jnp.where(failed_before, state.failure, failure).astype(jnp.int32)
     fails = ~failed_before & (failure != Failure.NONE)
     new_scaler = optax.tree.where(failed_before, state.scaler, stepped_scaler)
@@ -327,4 +334,5 @@ def guarded_step(options: WrapperOptions, grads: Any, state: LossScalingState, p
             shapes = types[-1] if types else jax.eval_shape(step, operands)[0]
             return optax.tree.full_like(shapes, -0.0), state.inner_state
         out, new_inner = skip_cond(decision.apply, stepped, skip, None)
-    return out, _next_state(options, state, new_inner, decision)
+    return out, _next_state(options, state, new_inner, decision,
+                            extra_args.get("loss") is not None)

@@ -22,7 +22,6 @@ README's benchmark table).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import optax
@@ -31,8 +30,17 @@ from loss_scaling import _errors
 from loss_scaling.core import update as scalers
 from loss_scaling.core import validation
 from loss_scaling.core.numerics import AxisName
-from loss_scaling.core.scalers import SCALER_TYPES, DynamicLossScale, LossScale, require_scaler
+from loss_scaling.core.scalers import (
+    SCALER_TYPES,
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    require_scaler,
+)
+from loss_scaling.wrapper import provenance
+from loss_scaling.wrapper.placement import refuse_misplaced_wrapper
 from loss_scaling.wrapper.state import (
+    MAX_NONFINITE_LOSSES,
     MAX_REPLAYS,
     LossScalingState,
     NonFiniteLoss,
@@ -44,8 +52,6 @@ from loss_scaling.wrapper.state import (
     gradient_leaf_count,
     initial_state,
     refuse_other_state,
-    refuse_wrapper_inside_multisteps,
-    wrapper_states_in,
 )
 from loss_scaling.wrapper.step import guarded_step
 
@@ -74,6 +80,7 @@ def with_loss_scaling(
     nonfinite_loss: NonFiniteLoss = "backoff",
     underflow_diagnostics: bool = False,
     max_replays: int = 0,
+    max_nonfinite_losses: int | None = MAX_NONFINITE_LOSSES,
 ) -> LossScalingTransformation:
     """Wraps ``inner`` so that it takes gradients of the scaled loss and skips bad steps.
 
@@ -137,14 +144,24 @@ def with_loss_scaling(
         ``metrics(...)["replays"]``. An integer in [0, 64]; 0 (the default) is off and
         compiles nothing. ``StaticLossScale`` and ``NoOpLossScale`` cannot back off:
         their steps are skipped as without it.
+      max_nonfinite_losses: a forward pass that keeps failing ends the run, named: when
+        the ``loss=`` given to the update is not finite on the
+        ``max_nonfinite_losses``-th skipped step in a row (or a later one), the run fails
+        closed (``Failure.NONFINITE_LOSS``: every later step skipped, and
+        :func:`loss_scaling.check` raises a :class:`loss_scaling.LossScaleError` that
+        names the non-finite loss and points to :func:`loss_scaling.find_overflow`),
+        instead of backing off to the float32 floor (~141 backoffs) or skipping forever.
+        A positive integer, 16 by default (16 backoffs take the default scale from 2**15
+        to 0.5); ``None`` turns it off. Compiled only into steps given a ``loss=``.
 
     Returns:
       A :class:`LossScalingTransformation` (an ``optax.GradientTransformationExtraArgs``).
 
     Raises:
       ValueError: for an unknown ``skip``, ``on_failure`` or ``nonfinite_loss``, a
-        ``max_consecutive_skips`` that is not a positive integer, or a ``max_replays``
-        outside [0, 64]; from ``update``, with replay on and no ``value_fn=``.
+        ``max_consecutive_skips`` or ``max_nonfinite_losses`` that is not a positive
+        integer, or a ``max_replays`` outside [0, 64]; from ``update``, with replay on
+        and no ``value_fn=``.
       TypeError: if ``inner`` is not an optax transformation or ``scaler`` not a
         loss-scale state; from ``init``, if a params leaf
         has a dtype without a zero (``float8_e8m0fnu``), which no skipped step can keep.
@@ -173,9 +190,8 @@ def with_loss_scaling(
         raise ValueError(f"skip must be 'auto', 'cond' or 'select', got {skip!r}.")
     if nonfinite_loss not in ("backoff", "skip"):
         raise ValueError(f"nonfinite_loss must be 'backoff' or 'skip', got {nonfinite_loss!r}.")
-    if max_consecutive_skips is not None:
-        max_consecutive_skips = validation.positive_int32("max_consecutive_skips",
-                                                       max_consecutive_skips)
+    max_consecutive_skips = _optional_count("max_consecutive_skips", max_consecutive_skips)
+    max_nonfinite_losses = _optional_count("max_nonfinite_losses", max_nonfinite_losses)
     max_replays = validation.int_in_range(
         "max_replays", max_replays, 0, MAX_REPLAYS,
         " Pass 0 (the default) for no replay, or a small count such as 2: each replay is "
@@ -190,7 +206,8 @@ def with_loss_scaling(
     options = WrapperOptions(
         inner=inner, axis_name=axis_name, skip=skip, on_failure=on_failure,
         max_consecutive_skips=max_consecutive_skips, nonfinite_loss=nonfinite_loss,
-        underflow_diagnostics=bool(underflow_diagnostics), max_replays=max_replays)
+        underflow_diagnostics=bool(underflow_diagnostics), max_replays=max_replays,
+        max_nonfinite_losses=max_nonfinite_losses)
 
     def init_fn(params: optax.Params) -> LossScalingState:
         _refuse_dtypes_without_zero(params)
@@ -206,6 +223,7 @@ def with_loss_scaling(
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScalingState]:
         refuse_other_state(state, "tx.update(grads, opt_state, params)")
+        _check_scaled(updates, state, params, "tx.update(grads, opt_state, params)")
         return guarded_step(options, updates, state, params, extra_args, fused=False)
 
     # On the update function too: a transformation rebuilt around it
@@ -230,7 +248,8 @@ def apply_gradients(
     neither the unscaled gradients nor the updates are ever materialized: the cheapest
     step (one extra read of the gradients over a bare optimizer step). A skipped step
     returns ``params`` itself. Any other ``tx`` falls back to ``tx.update`` followed by
-    ``optax.apply_updates``.
+    ``optax.apply_updates``; a ``tx`` that holds the wrapper anywhere but outermost (after
+    a clip in ``optax.chain``, ...) is refused (``docs/common_mistakes.md``).
 
     Args:
       tx: the transformation (ideally the result of :func:`with_loss_scaling`).
@@ -245,6 +264,11 @@ def apply_gradients(
     Returns:
       ``(new_params, new_opt_state)``.
 
+    Raises:
+      ValueError: if ``opt_state`` holds the wrapper's state inside another
+        transformation's (``optax.chain(clip, wrapper)``, ``optax.MultiSteps(wrapper)``):
+        the message says what that transformation does wrong and how to put it inside.
+
     Examples:
       >>> import jax, jax.numpy as jnp, optax
       >>> import loss_scaling as ls
@@ -257,14 +281,26 @@ def apply_gradients(
     """
     options = getattr(getattr(tx, "update", None), "options", None)
     if isinstance(options, WrapperOptions):
-        refuse_other_state(opt_state, "ls.apply_gradients(tx, grads, opt_state, params)")
+        call = "ls.apply_gradients(tx, grads, opt_state, params)"
+        refuse_other_state(opt_state, call)
+        _check_scaled(grads, opt_state, params, call)
         return guarded_step(options, grads, opt_state, params, extra_args, fused=True)
     if isinstance(opt_state, LossScalingState):
         raise TypeError(NOT_THE_WRAPPER.format(what=_errors.describe(tx)))
-    refuse_wrapper_inside_multisteps(opt_state)
-    _warn_if_fused_path_lost(tx, opt_state)
+    refuse_misplaced_wrapper(opt_state)
     updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     return optax.apply_updates(params, updates), opt_state
+
+
+def _optional_count(name: str, value: int | None) -> int | None:
+    return None if value is None else validation.positive_int32(name, value)
+
+
+def _check_scaled(grads: Any, state: LossScalingState, params: Any, call: str) -> None:
+    """Trace time only, nothing compiled: gradients of a loss that was not scaled
+    (:mod:`loss_scaling.wrapper.provenance`)."""
+    if not isinstance(state.scaler, NoOpLossScale):
+        provenance.warn_if_loss_not_scaled(grads, state.scaler.loss_scale, params, call)
 
 
 NOT_THE_WRAPPER = (
@@ -281,9 +317,21 @@ NOT_AN_OPTIMIZER = (
 )
 
 
+WRAPPED_TWICE = (
+    "with_loss_scaling(inner, scaler): inner is already a `ls.with_loss_scaling(...)` "
+    "transformation. Wrapped twice, the gradients would be unscaled twice (divided by the "
+    "scale squared: every step 1/scale the size it should be) by two loss scales of which "
+    "only one scaled the loss. Wrap the optimizer once: "
+    "`ls.with_loss_scaling(optax.adam(1e-3), ls.DynamicLossScale(...))`."
+)
+
+
 def _refuse_other_inner(inner: Any) -> None:
-    """A ``TypeError`` naming ``inner`` and the fix: the loss scale first, or the
-    optimizer's factory uncalled, otherwise fail later as a missing ``init``."""
+    """A ``TypeError`` naming ``inner`` and the fix: the loss scale first, the optimizer's
+    factory uncalled, or a wrapper wrapped again; otherwise fail later as a missing
+    ``init``."""
+    if isinstance(getattr(getattr(inner, "update", None), "options", None), WrapperOptions):
+        raise TypeError(WRAPPED_TWICE)
     if callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None)):
         return
     if isinstance(inner, SCALER_TYPES):
@@ -297,22 +345,3 @@ def _refuse_other_inner(inner: Any) -> None:
         hint = ""
     raise TypeError(NOT_AN_OPTIMIZER.format(what=_errors.describe(inner), hint=hint))
 
-
-FUSED_PATH_LOST = (
-    "apply_gradients: this optimizer state holds a with_loss_scaling state, but `tx` is not "
-    "the transformation with_loss_scaling returned (it is wrapped: optax.chain, "
-    "inject_hyperparams, ...), so the step takes the plain path (tx.update, then "
-    "apply_updates: about 2x slower than the fused step on CPU). For the fused step, put "
-    "the wrapper outermost: `ls.with_loss_scaling(optax.chain(...))`, "
-    "`ls.with_loss_scaling(optax.inject_hyperparams(optax.adam)(...))`."
-)
-
-
-def _warn_if_fused_path_lost(tx: Any, opt_state: Any) -> None:
-    """A :class:`LossScaleWarning` (once per call site) when ``tx`` hides a wrapper whose
-    state ``opt_state`` holds: the silent fallback to the plain path made visible."""
-    found = wrapper_states_in(opt_state)
-    # Several wrappers (one per `optax.multi_transform` group) have no fused form to
-    # point at: the plain path is theirs.
-    if len(found) == 1:
-        warnings.warn(FUSED_PATH_LOST, _errors.LossScaleWarning, stacklevel=3)
