@@ -532,6 +532,10 @@ def test_restore_into_another_growth_rule_is_refused():
 @pytest.mark.parametrize(("path", "value", "match"), [
     (("values", "grad_max_history"), [1.0], "list of config.headroom_window = 2"),
     (("values", "grad_max_history"), [1.0, float("inf")], "finite float32 >= 0"),
+    # Issue 33, item 10: below the normal range too, never rounded silently.
+    (("values", "grad_max_history"), [1e-45, 0.0],
+     r"grad_max_history\[0\] is 1e-45, which float32 does not represent exactly: the "
+     r"nearest float32 values are 0.0 and 1.401298464324817e-45"),
     (("values", "ceiling"), 0.0, "values.ceiling must be a finite, positive"),
     (("values", "headroom_tracker"), 4, r"headroom_tracker must be an integer in \[0, 2 \*"),
     (("config", "headroom_dtype"), 16, "headroom_dtype must be a dtype name"),
@@ -561,3 +565,44 @@ def test_orbax_round_trip(tmp_path):
         mngr.wait_until_finished()
         state = ls.orbax_restore(mngr, jax.eval_shape(make))
     assert_bit_identical(state["opt_state"], opt_state)
+
+
+def test_orbax_adopt_config_names_what_cannot_be_adopted_and_the_fix(tmp_path):
+    """Issue 33, items 9 and 13: adopting another growth rule or headroom_window through
+    Orbax is refused by name (not by Orbax's structure error), with the route that works;
+    a plain config change points to orbax_restore's own adopt_config=True."""
+    import orbax.checkpoint as ocp
+
+    def make(**scaler: Any) -> Any:
+        tx = ls.with_loss_scaling(optax.sgd(1e-3), ls.DynamicLossScale(init_scale=8.0,
+                                                                        **scaler))
+        return {"params": PARAMS, "opt_state": tx.init(PARAMS)}
+
+    saved = make(growth="headroom", headroom_window=2)
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        mngr.save(0, args=ls.orbax_save_args(saved))
+        mngr.wait_until_finished()
+        for scaler, what in [({}, r"growth \('interval' for the saved 'headroom'\)"),
+                             (dict(growth="headroom", headroom_window=3),
+                              r"headroom_window \(3 for the saved 2\)")]:
+            target = jax.eval_shape(lambda scaler=scaler: make(**scaler))
+            with pytest.raises(ValueError, match=r"orbax_restore\(\.\.\., adopt_config=True"
+                                                 r"\) cannot adopt " + what):
+                ls.orbax_restore(mngr, target, adopt_config=True)
+            with pytest.raises(ValueError, match=what + " changes the loss scale's arrays, "
+                                                 "so `adopt_config=True` cannot adopt it"):
+                ls.orbax_restore(mngr, target)
+        with pytest.raises(ValueError, match="(?s)growth_interval: saved 2000, target 7.*pass "
+                                             "`adopt_config=True` to loss_scaling.orbax_"):
+            ls.orbax_restore(mngr, jax.eval_shape(lambda: make(
+                growth="headroom", headroom_window=2, growth_interval=7)))
+        # The route the errors name: restore as saved, then move the loss scale over.
+        restored = ls.orbax_restore(mngr, jax.eval_shape(
+            lambda: make(growth="headroom", headroom_window=2)))
+    new = make()
+    new["opt_state"] = new["opt_state"]._replace(
+        inner_state=restored["opt_state"].inner_state)
+    new = ls.restore_loss_scale(new, ls.get_loss_scale(restored["opt_state"]),
+                                adopt_config=True)
+    assert ls.get_loss_scale(new["opt_state"]).growth == "interval"
+    assert float(ls.get_loss_scale(new["opt_state"]).loss_scale) == 8.0
