@@ -91,6 +91,18 @@ def _structure_change(saved: LossScale, target: LossScale) -> tuple[str, str] | 
     return None
 
 
+def _resolve(saved: Mapping[str, Any], saved_scaler: LossScale, target: LossScale,
+             adopt_config: bool) -> LossScale:
+    """:func:`loss_scaling.checkpoint.restore.resolve` with this route's fixes, and
+    another array structure refused by name before Orbax meets it."""
+    change = _structure_change(saved_scaler, target)
+    if change is not None and adopt_config:
+        raise ValueError(CANNOT_ADOPT.format(what=change[0], saved=_arrays(saved_scaler),
+                                             target=_arrays(target), config=change[1]))
+    fix = ADOPT_HERE if change is None else KEEP_STRUCTURE.format(what=change[0])
+    return resolve(saved, target, adopt_config=adopt_config, fix=fix)
+
+
 def one_replica(scaler: LossScale) -> LossScale:
     """The scaler of a ``pmap``-replicated state (leading device axes) as one scalar state.
 
@@ -278,13 +290,7 @@ def restore(
     # Checked against the target before anything is restored; a concrete target's static
     # factor is compared too (after the restore, the state holds the saved one).
     key = _entry(abstract_state, path)
-    target_scaler = _get(abstract_state, key, path)
-    change = _structure_change(saved_scaler, target_scaler)
-    if change is not None and adopt_config:
-        raise ValueError(CANNOT_ADOPT.format(what=change[0], saved=_arrays(saved_scaler),
-                                             target=_arrays(target_scaler), config=change[1]))
-    fix = ADOPT_HERE if change is None else KEEP_STRUCTURE.format(what=change[0])
-    new = resolve(saved, target_scaler, adopt_config=adopt_config, fix=fix)
+    new = _resolve(saved, saved_scaler, _get(abstract_state, key, path), adopt_config)
     target = _in_own_dtypes(abstract_state, _get(abstract_state, key, path))
     restored = mngr.restore(step, args=ocp.args.Composite(
         **{STATE_ITEM: ocp.args.StandardRestore(target)}))[STATE_ITEM]

@@ -63,6 +63,10 @@ class LossScalingTransformation(optax.GradientTransformationExtraArgs):
     options: WrapperOptions
 
 
+_DIAGNOSTICS_HINT = (" Pass True to record the fractions of zero and tiny gradients, "
+                     "False (the default) for none.")
+
+
 def with_loss_scaling(
     inner: optax.GradientTransformation,
     scaler: LossScale | None = None,
@@ -181,10 +185,8 @@ def with_loss_scaling(
         "max_replays", max_replays, 0, MAX_REPLAYS,
         " Pass 0 (the default) for no replay, or a small count such as 2: each replay is "
         "one more forward and backward pass of an overflowed batch.")
-    underflow_diagnostics = validation.flag(
-        "underflow_diagnostics", underflow_diagnostics,
-        " Pass True to record the fractions of zero and tiny gradients, False (the "
-        "default) for none.")
+    underflow_diagnostics = validation.flag("underflow_diagnostics", underflow_diagnostics,
+                                            _DIAGNOSTICS_HINT)
     if scaler is None:
         scaler = DynamicLossScale()
     require_scaler("scaler", scaler)
