@@ -1,7 +1,7 @@
 """Cost of ``growth="headroom"`` on a healthy fused step, side by side in one process.
 
 The headroom rule needs max |g| of the scaled gradients; the wrapper takes it from the
-finite screen's own read (a sibling max of the squares the screen sums, in the same
+finite screen's own read (a sibling max |g| of the leaves the screen sums, in the same
 collective). This script times the default fused step, the same step with
 ``growth="headroom"``, and a bare ``optax.adam`` step, interleaved round after round
 (the harness of ``overhead.py``: params and state donated, one step per

@@ -230,9 +230,23 @@ NOT_A_SCALER = (
 )
 
 
+NUMBER_NOT_A_SCALER = (
+    "{argument} must be a loss-scale state (NoOpLossScale, StaticLossScale or "
+    "DynamicLossScale), got the number {value} ({what}): a factor is not a state. For a "
+    "fixed factor pass `ls.StaticLossScale({value})`; for a dynamic one, the state "
+    "`ls.get_loss_scale(opt_state)` returns (from an optimizer built with "
+    "`ls.with_loss_scaling`)."
+)
+
+
 def not_a_scaler(argument: str, value: Any) -> TypeError:
     """The error for ``argument``, which is not a loss-scale state (named by its type: a
-    whole optimizer state printed would bury the fix)."""
+    whole optimizer state printed would bury the fix; a number, by its value too)."""
+    if (isinstance(value, (int, float, np.number)) and not isinstance(value, bool)) or (
+            isinstance(value, np.ndarray) and value.shape == ()):
+        number = value.item() if isinstance(value, (np.number, np.ndarray)) else value
+        return TypeError(NUMBER_NOT_A_SCALER.format(argument=argument, value=show(number),
+                                                    what=describe(value)))
     return TypeError(NOT_A_SCALER.format(argument=argument, what=describe(value)))
 
 

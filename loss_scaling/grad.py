@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,29 @@ PAIR_WITHOUT_AUX = (
     "the scalar loss only, but {name} returned {what}. If it returns `(loss, aux)`, pass "
     "has_aux=True."
 )
+
+OPTION_TO_RETURNED_FUNCTION = (
+    "{option}={value!r} was given to the function that `loss_scaling.value_and_grad` "
+    "returned, which passes its keyword arguments on to {name}; {option} is an option of "
+    "value_and_grad itself: `ls.value_and_grad({name}, {option}={value!r})(state, *args)`."
+)
+
+
+def _refuse_misplaced_options(fun: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    """``has_aux=`` / ``argnums=`` given to the returned function, which ``fun`` does not
+    take: a TypeError naming where they go (else JAX's "keyword arguments could not be
+    resolved to positions")."""
+    for option in ("has_aux", "argnums"):
+        if option not in kwargs:
+            continue
+        try:
+            parameters = inspect.signature(fun).parameters
+        except (TypeError, ValueError):
+            return
+        if option not in parameters:
+            raise TypeError(OPTION_TO_RETURNED_FUNCTION.format(
+                option=option, value=kwargs[option],
+                name=getattr(fun, "__name__", "loss_fn")))
 
 
 def _describe_output(out: Any) -> str:
@@ -142,7 +166,9 @@ def value_and_grad(
       TypeError / ValueError: at call time, when the first argument is not (and does not
         hold) a loss scale: e.g. the model passed first, or the optimizer forgotten.
       TypeError: when ``fun``'s output does not match ``has_aux`` (a bare loss with
-        ``has_aux=True``, a tuple or list with ``has_aux=False``), naming both.
+        ``has_aux=True``, a tuple or list with ``has_aux=False``), naming both; when
+        ``has_aux=`` or ``argnums=`` is given to the returned function (and ``fun`` has
+        no such parameter) instead of to ``value_and_grad``.
       ValueError: when the state holds the wrapper inside another transformation (after
         a clip in ``optax.chain``, ...; :mod:`loss_scaling.wrapper.placement`), and when
         ``fun`` calls ``ls.scale`` (the loss would be scaled twice).
@@ -157,6 +183,7 @@ def value_and_grad(
     """
 
     def wrapped(state: Any, *args: Any, **kwargs: Any) -> Any:
+        _refuse_misplaced_options(fun, kwargs)
         factory = _framework_value_and_grad(state, args, kwargs, argnums)
         if factory is not None:
             return factory(fun, argnums, has_aux)(state, *args, **kwargs)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import optax
+
 from loss_scaling import _registry
 from loss_scaling._errors import NoLossScaleFound
 from loss_scaling.core.scalers import SCALER_TYPES, DynamicLossScale, LossScale
@@ -16,6 +18,33 @@ _NO_CONFIG = (
     "This nnx.State holds the loss scale's values but not its configuration: a plain flax "
     "nnx.Optimizer does not keep it in its state (build the optimizer with "
     "`loss_scaling.nnx.Optimizer`, which does).")
+
+
+NOT_A_STATE = {
+    "transformation": (
+        "No loss scale found: this is {what}, the optimizer itself, not its state. The loss "
+        "scale is state: pass the state `tx.init(params)` returned (your opt_state), or a "
+        "TrainState / nnx.Optimizer holding it."),
+    "model": (
+        "No loss scale found: this is a model ({what}), not an optimizer. The loss scale "
+        "lives in the optimizer's state: pass the optimizer (`ls.nnx.Optimizer`, "
+        "`nnx.Optimizer`), the TrainState or the opt_state built with "
+        "`loss_scaling.with_loss_scaling(...)`."),
+}
+
+
+def _not_a_state(x: Any) -> str | None:
+    """The message for a transformation or a model passed where a state was wanted;
+    None for anything else. Frameworks are recognised by their classes' modules, so
+    that none is imported here."""
+    if isinstance(x, optax.GradientTransformation):
+        return NOT_A_STATE["transformation"].format(
+            what=f"an optax {type(x).__name__}")
+    for cls in type(x).__mro__:
+        if cls.__name__ == "Module" and cls.__module__.split(".")[0] in ("flax", "equinox"):
+            return NOT_A_STATE["model"].format(
+                what=f"an instance of {type(x).__module__}.{type(x).__qualname__}")
+    return None
 
 
 def unwrap(x: Any) -> Any:
@@ -97,6 +126,9 @@ def _get_wrapper_state(opt_state: Any, path: str | None) -> LossScalingState:
             f"No loss scale found at path {path!r} in this optimizer state; it holds "
             f"{len(every)}, at paths {paths}: pass one of them (or a part of it) as `path=`.")
     if not found:
+        wrong = _not_a_state(opt_state)
+        if wrong is not None:
+            raise NoLossScaleFound(wrong)
         where = "" if path is None else f" at path {path!r}"
         raise NoLossScaleFound(
             f"No loss scale found{where} in this optimizer state: build the optimizer with "

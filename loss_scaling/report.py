@@ -132,9 +132,27 @@ def _headroom_metrics(scaler: Any) -> dict[str, jax.Array]:
     limit = jnp.float32(jnp.finfo(jnp.dtype(dtype)).max)
     return {
         "grad_max_window": peak,
-        "headroom_log2": jnp.log2(limit) - jnp.log2(scaler.loss_scale) - jnp.log2(peak),
+        "headroom_log2": _log2_ratio(limit, scaler.loss_scale, peak),
         "scale_ceiling": scaler.ceiling,
     }
+
+
+def _log2_ratio(limit: jax.Array, scale: jax.Array, peak: jax.Array) -> jax.Array:
+    """``log2(limit / (scale * peak))``, never below an integer ``k`` where the ratio is at
+    least ``2**k`` (inf for ``peak`` 0).
+
+    A difference of three float32 logarithms reads 3.9999998 for a ratio of exactly 16
+    (the margin a headroom growth leaves). Here the exponents are split off exactly
+    (``frexp``) and only a mantissa ratio ``q`` in ``[1, 2)`` goes through ``log2``,
+    clamped at ``log2(1) = 0``: the integer part is exact, and the rounding of ``q``
+    (monotonic) cannot take the result below it.
+    """
+    (m_limit, e_limit), (m_scale, e_scale), (m_peak, e_peak) = (
+        jnp.frexp(x) for x in (limit, scale, peak))
+    m_q, e_q = jnp.frexp(m_limit / m_scale / jnp.where(peak > 0, m_peak, 1.0))
+    exponent = (e_limit - e_scale - e_peak + e_q - 1).astype(jnp.float32)
+    fraction = jnp.maximum(jnp.log2(2 * m_q), 0.0)
+    return jnp.where(peak > 0, exponent + fraction, jnp.inf)
 
 
 def _underflow_metrics(stats: UnderflowStats | None) -> dict[str, jax.Array]:

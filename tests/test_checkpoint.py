@@ -767,7 +767,8 @@ def test_the_guide_has_the_recipe_and_says_which_routes_check():
 
 
 def test_the_guides_blocks_run(tmp_path, monkeypatch, capsys):
-    recipe_block, _start_scaling, sharded, nnx_block, flax_block, json_block = guide_blocks()
+    (recipe_block, change_growth, _start_scaling, sharded, nnx_block, flax_block,
+     json_block) = guide_blocks()
     ns = run_block(recipe_block, tmp_path, monkeypatch)
     assert capsys.readouterr().out == "16384.0 500\n"
     assert_bit_identical(ns["resumed"], ns["state"], same_treedef=False)
@@ -777,6 +778,13 @@ def test_the_guides_blocks_run(tmp_path, monkeypatch, capsys):
             ns["restore"](mngr, ns["new_config"])
     imported = run_block(recipe_block, tmp_path, monkeypatch, name="checkpointing")
     assert {"save", "restore", "make_state"} <= set(imported) and "state" not in imported
+
+    # Another growth rule: refused by orbax_restore(adopt_config=True) by name, then
+    # moved over with restore_loss_scale (issue 33, item 9).
+    ns = run_block(change_growth, tmp_path, monkeypatch)
+    assert capsys.readouterr().out == "headroom 1024.0\n"
+    assert ns["scaler"].growth == "headroom" and ns["scaler"].grad_max_history.shape == (16,)
+    assert_bit_identical(ns["new"].params, ns["restored"].params)
 
     ns = run_block(sharded, tmp_path, monkeypatch)
     assert capsys.readouterr().out == "1024.0\n"

@@ -10,8 +10,10 @@ The model restates the rule of the ``DynamicLossScale`` docstring in numpy float
   finite) goes into slot ``headroom_tracker % window`` and ``headroom_tracker += 1``
   (from ``2 * window - 1`` back to ``window``); once
   ``headroom_tracker >= window`` the scale becomes ``T = min(2**floor(log2(ratio)),
-  ceiling, top)`` with ``ratio = finfo(dtype).max / (margin * max(history))`` if ``T`` is
-  larger;
+  ceiling, top)`` with ``ratio = finfo(dtype).max / margin / max(history)`` if ``T`` is
+  larger; a history of zeros gives ``T = min(scale * growth_factor, max_scale,
+  ceiling)`` (the scale for a product beyond float32) and, if it grows,
+  ``headroom_tracker = 0``;
 * non-finite step: the interval rule's backoff (hysteresis, ``min_scale``, fail closed),
   and on a backoff ``ceiling = `` the backed-off scale and ``headroom_tracker = 0``.
 """
@@ -86,10 +88,18 @@ def model_clean(config: dict, m: Model, grads_max: float) -> Model:
             history[steps % window] = unscaled
             steps = window if steps + 1 >= 2 * window else steps + 1
         limit = f32(float(jnp.finfo(jnp.dtype(config["headroom_dtype"])).max))
-        ratio = min(f32(limit / f32(f32(config["headroom_margin"]) * max(history))),
+        ratio = min(f32(f32(limit / f32(config["headroom_margin"])) / max(history)),
                     f32(F32_MAX))
         target = min(power_of_two_below(ratio), ceiling, top(config))
-        scale = target if steps >= window and target > m.scale else m.scale
+        empty = not max(history) > 0
+        if empty:   # nothing measured: one growth_factor, and the window starts over
+            probe = f32(m.scale * f32(config["growth_factor"]))
+            if config["max_scale"] is not None:
+                probe = min(probe, f32(config["max_scale"]))
+            target = min(probe if np.isfinite(probe) else m.scale, ceiling)
+        grows = steps >= window and target > m.scale
+        scale = target if grows else m.scale
+        steps = 0 if grows and empty else steps
         return Model(f32(scale), 0 if lifts else tracker, 0, tuple(history), steps,
                      f32(ceiling))
 
@@ -203,7 +213,8 @@ def run_against_model(config: dict, steps: list[tuple[bool, float]]) -> None:
 # scale until growth_interval clean steps lift the ceiling.
 @example(config=cfg(init_scale=1.0), steps=[(True, 2.0)] * 3 + [(False, 0.0)]
          + [(True, 1.0)] * 8)
-# Zero and tiny maxima: the cap (max_scale, float32's max), never an inf scale.
+# Zero maxima: one growth_factor per window; tiny ones: the cap (max_scale, float32's
+# max), never an inf scale.
 @example(config=cfg(init_scale=1.0, headroom_margin=1.0), steps=[(True, 0.0)] * 3)
 @example(config=cfg(init_scale=1.0, max_scale=1e6), steps=[(True, 1e-30)] * 3)
 # Hysteresis, min_scale, fail closed.
@@ -377,6 +388,79 @@ def test_wrapper_steps_the_rule_with_the_screens_max(api, skip, leaves):
         model))
 
 
+# ---------------------------------------------------------- the rule at its edges
+
+
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+@pytest.mark.parametrize("size", [3, 5000], ids=["small-leaf", "large-leaf"])
+@pytest.mark.parametrize(("dtype", "init_scale", "scaled"), [
+    ("float32", 2.0**60, 1e20),     # a square would overflow float32: read inf, "no room"
+    ("bfloat16", 2.0**60, 3e30),
+    ("float32", 1.0, 1e-20),        # a square would flush to 0: an empty entry
+    ("bfloat16", 1.0, 1e-30),
+])
+def test_the_recorded_max_is_the_true_max_across_float32s_range(
+        maybe_jit, size, dtype, init_scale, scaled):
+    """Issue 33, items 1-2: the max the wrapper records is ``ls.grads_max``'s, however
+    large or small the scaled gradients are inside float32's normal range."""
+    tx = ls.with_loss_scaling(optax.sgd(0.0), ls.DynamicLossScale(
+        init_scale=init_scale, growth="headroom", headroom_dtype=dtype, headroom_window=4))
+    params = {"w": jnp.zeros(size)}
+    opt_state = tx.init(params)
+    step = maybe_jit(lambda g, s: ls.apply_gradients(tx, g, s, params))
+    for i in range(3):
+        grads = {"w": jnp.full(size, scaled * 2.0**-i, jnp.float32)}
+        _, opt_state = step(grads, opt_state)
+        scaler = ls.get_loss_scale(opt_state)
+        assert float(scaler.loss_scale) == init_scale   # the window is not full yet
+        expected = np.float32(ls.grads_max(grads)) / np.float32(init_scale)
+        assert float(scaler.grad_max_history[i]) == expected > 0, (i, scaler)
+    # Off CPU the max is a sibling of the finite test's read: the same value.
+    from loss_scaling.wrapper import screen
+    big = {"w": jnp.full(size, scaled, jnp.float32), "c": jnp.array([scaled * 1j])}
+    assert float(screen._exact_test(big, None, None, True)[3]) == float(ls.grads_max(big))
+
+
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_a_window_of_zeros_grows_one_factor_per_window(maybe_jit):
+    """Issue 33, item 4: zero gradients measure nothing; the scale does not jump to
+    2**127 (from which the first real gradients would back off 112 steps), it grows by
+    ``growth_factor`` once per window, each growth starting a new window."""
+    s = ls.DynamicLossScale(init_scale=1.0, growth="headroom", headroom_window=2,
+                            growth_interval=1000)
+    step = maybe_jit(lambda s, g: ls.update(s, True, grads_max=g))
+    scales = []
+    for _ in range(6):
+        s = step(s, jnp.float32(0.0))
+        scales.append(float(s.loss_scale))
+    assert scales == [1.0, 2.0, 2.0, 4.0, 4.0, 8.0]
+    capped = ls.DynamicLossScale(init_scale=2.0**127, growth="headroom", headroom_window=1)
+    assert float(step(capped, jnp.float32(0.0)).loss_scale) == 2.0**127   # never inf
+    # A measured max takes over once the window is full: 2048 * 16 * 1 <= 65504.
+    for _ in range(2):
+        s = step(s, jnp.float32(8.0))   # scaled by 8: an unscaled max of 1
+    assert float(s.loss_scale) == 2048.0
+
+
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_headroom_log2_after_a_growth_is_at_least_the_margin(maybe_jit, dtype):
+    """Issue 33, item 3: a growth that leaves exactly the margin reads log2(margin), not
+    3.9999998 (a difference of three float32 logarithms)."""
+    limit = float(jnp.finfo(jnp.dtype(dtype)).max)
+    for target in (2.0**10, 2.0**-2, 2.0**60):
+        peak = float(np.float32(limit / 16.0 / target))
+        tx = ls.with_loss_scaling(optax.sgd(0.0), ls.DynamicLossScale(
+            init_scale=2.0**-30, growth="headroom", headroom_window=1, headroom_dtype=dtype))
+        params = {"w": jnp.zeros(3)}
+        grads = {"w": jnp.full(3, peak * 2.0**-30, jnp.float32)}
+        _, opt_state = ls.apply_gradients(tx, grads, tx.init(params), params)
+        metrics = maybe_jit(ls.metrics)(opt_state)
+        assert float(metrics["loss_scale"]) == target
+        assert float(metrics["headroom_log2"]) >= 4.0, (dtype, target, metrics)
+        np.testing.assert_allclose(float(metrics["headroom_log2"]), 4.0, atol=1e-6)
+
+
 # ----------------------------------------------------------------------- checkpoints
 
 
@@ -448,6 +532,10 @@ def test_restore_into_another_growth_rule_is_refused():
 @pytest.mark.parametrize(("path", "value", "match"), [
     (("values", "grad_max_history"), [1.0], "list of config.headroom_window = 2"),
     (("values", "grad_max_history"), [1.0, float("inf")], "finite float32 >= 0"),
+    # Issue 33, item 10: below the normal range too, never rounded silently.
+    (("values", "grad_max_history"), [1e-45, 0.0],
+     r"grad_max_history\[0\] is 1e-45, which float32 does not represent exactly: the "
+     r"nearest float32 values are 0.0 and 1.401298464324817e-45"),
     (("values", "ceiling"), 0.0, "values.ceiling must be a finite, positive"),
     (("values", "headroom_tracker"), 4, r"headroom_tracker must be an integer in \[0, 2 \*"),
     (("config", "headroom_dtype"), 16, "headroom_dtype must be a dtype name"),
@@ -477,3 +565,44 @@ def test_orbax_round_trip(tmp_path):
         mngr.wait_until_finished()
         state = ls.orbax_restore(mngr, jax.eval_shape(make))
     assert_bit_identical(state["opt_state"], opt_state)
+
+
+def test_orbax_adopt_config_names_what_cannot_be_adopted_and_the_fix(tmp_path):
+    """Issue 33, items 9 and 13: adopting another growth rule or headroom_window through
+    Orbax is refused by name (not by Orbax's structure error), with the route that works;
+    a plain config change points to orbax_restore's own adopt_config=True."""
+    import orbax.checkpoint as ocp
+
+    def make(**scaler: Any) -> Any:
+        tx = ls.with_loss_scaling(optax.sgd(1e-3), ls.DynamicLossScale(init_scale=8.0,
+                                                                        **scaler))
+        return {"params": PARAMS, "opt_state": tx.init(PARAMS)}
+
+    saved = make(growth="headroom", headroom_window=2)
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        mngr.save(0, args=ls.orbax_save_args(saved))
+        mngr.wait_until_finished()
+        for scaler, what in [({}, r"growth \('interval' for the saved 'headroom'\)"),
+                             (dict(growth="headroom", headroom_window=3),
+                              r"headroom_window \(3 for the saved 2\)")]:
+            target = jax.eval_shape(lambda scaler=scaler: make(**scaler))
+            with pytest.raises(ValueError, match=r"orbax_restore\(\.\.\., adopt_config=True"
+                                                 r"\) cannot adopt " + what):
+                ls.orbax_restore(mngr, target, adopt_config=True)
+            with pytest.raises(ValueError, match=what + " changes the loss scale's arrays, "
+                                                 "so `adopt_config=True` cannot adopt it"):
+                ls.orbax_restore(mngr, target)
+        with pytest.raises(ValueError, match="(?s)growth_interval: saved 2000, target 7.*pass "
+                                             "`adopt_config=True` to loss_scaling.orbax_"):
+            ls.orbax_restore(mngr, jax.eval_shape(lambda: make(
+                growth="headroom", headroom_window=2, growth_interval=7)))
+        # The route the errors name: restore as saved, then move the loss scale over.
+        restored = ls.orbax_restore(mngr, jax.eval_shape(
+            lambda: make(growth="headroom", headroom_window=2)))
+    new = make()
+    new["opt_state"] = new["opt_state"]._replace(
+        inner_state=restored["opt_state"].inner_state)
+    new = ls.restore_loss_scale(new, ls.get_loss_scale(restored["opt_state"]),
+                                adopt_config=True)
+    assert ls.get_loss_scale(new["opt_state"]).growth == "interval"
+    assert float(ls.get_loss_scale(new["opt_state"]).loss_scale) == 8.0

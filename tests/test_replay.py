@@ -195,6 +195,88 @@ def test_sam_inside_a_replaying_wrapper_is_not_given_value_fn():
     assert counters(opt_state)["replays"] == 2 and counters(opt_state)["skipped_steps"] == 0
 
 
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_sam_inside_a_chain_inside_a_replaying_wrapper_is_not_given_value_fn(maybe_jit):
+    """Issue 33, item 6: the chain takes any keyword and hands value_fn to sam, which
+    refuses it (a TypeError); the wrapper calls the chain again without it."""
+    inner = optax.chain(optax.clip_by_global_norm(1.0),
+                        optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=2))
+    _, _, params, opt_state = run(make_tx(inner=inner), "fused", BIG, maybe_jit)
+    assert counters(opt_state)["replays"] == 2 and counters(opt_state)["skipped_steps"] == 0
+    ref_tx = make_tx(init_scale=64.0, max_replays=0, inner=inner)
+    ref_params = {"w": jnp.array([0.5, -1.0, 2.0])}
+
+    def ref_step(params, opt_state):  # no value_fn: sam refuses one given by the user
+        grads = ls.value_and_grad(loss_fn)(opt_state, params, BIG)[1]
+        return ls.apply_gradients(ref_tx, grads, opt_state, params)
+    ref, _ = maybe_jit(ref_step)(ref_params, ref_tx.init(ref_params))
+    assert_bit_identical(bits(ref), params)
+    # A TypeError of the inner update that is not about value_fn is not swallowed.
+    def refuse(updates, state, params=None, **extra):
+        raise TypeError("something else")
+    broken = optax.GradientTransformationExtraArgs(lambda p: (), refuse)
+    with pytest.raises(TypeError, match="something else"):
+        run(make_tx(inner=broken), "fused", SMALL, maybe_jit)
+
+
+@EAGER_OR_JIT
+@pytest.mark.parametrize("path", ["plain", "fused"])
+def test_lookahead_inside_a_replaying_wrapper_replays_on_the_fast_params(maybe_jit, path):
+    """Issue 33, item 5: value_fn is a function of the fast params, as the gradients are;
+    the replayed step equals the step at the backed-off scale."""
+    def run_lookahead(init_scale, max_replays):
+        tx = make_tx(init_scale, max_replays, optax.lookahead(optax.sgd(0.1), 2, 0.5))
+        params = optax.LookaheadParams.init_synced({"w": jnp.array([0.5, -1.0, 2.0])})
+        opt_state = tx.init(params)
+
+        def step(params, opt_state):
+            loss, grads = ls.value_and_grad(loss_fn)(opt_state, params.fast, BIG)
+            extra = dict(loss=loss, value_fn=lambda p: loss_fn(p, BIG))
+            if path == "plain":
+                updates, opt_state = tx.update(grads, opt_state, params, **extra)
+                return optax.apply_updates(params, updates), opt_state
+            return ls.apply_gradients(tx, grads, opt_state, params, **extra)
+        return maybe_jit(step)(params, opt_state)
+
+    params, opt_state = run_lookahead(256.0, 3)
+    assert counters(opt_state)["replays"] == 2 and counters(opt_state)["skipped_steps"] == 0
+    ref_params, ref_state = run_lookahead(64.0, 0)
+    assert_bit_identical(bits(ref_params), params)
+    assert_bit_identical(bits(ref_state.inner_state), opt_state.inner_state)
+
+
+@EAGER_OR_JIT
+def test_replay_without_params_is_a_clear_error(maybe_jit):
+    """Issue 33, item 7: not "'NoneType' object is not subscriptable" from the loss."""
+    tx = make_tx()
+    params = {"w": jnp.array([0.5, -1.0, 2.0])}
+    grads = {"w": jnp.full(3, jnp.inf)}
+    with pytest.raises(ValueError, match=r"max_replays=3\).*got params=None: pass them, "
+                                         r"`tx.update\(grads, opt_state, params"):
+        maybe_jit(lambda g, s: tx.update(g, s, value_fn=lambda p: loss_fn(p, BIG)))(
+            grads, tx.init(params))
+
+
+@EAGER_OR_JIT
+def test_a_replayed_step_stays_at_the_backed_off_scale_with_growth_interval_1(maybe_jit):
+    """Issue 33, item 8 (docs/replay.md, Semantics 3): the growth due on the replayed step
+    is not taken; the next clean step grows, so the batch replays every other step."""
+    scaler = ls.DynamicLossScale(init_scale=256.0, growth_interval=1)
+    tx = ls.with_loss_scaling(optax.sgd(0.0), scaler, max_replays=3)
+    step = maybe_jit(make_step(tx, "fused"))
+    params = {"w": jnp.array([0.5, -1.0, 2.0])}
+    opt_state = tx.init(params)
+    seen = []
+    for _ in range(4):
+        params, opt_state = step(params, opt_state, BIG)
+        c = counters(opt_state)
+        seen.append((c["loss_scale"], c["growth_tracker"], c["last_step_replays"]))
+    assert seen == [(64.0, 0, 2), (128.0, 0, 0), (64.0, 0, 1), (128.0, 0, 0)]
+    # growth_interval=100: the replayed step counts as clean (growth_tracker 1).
+    _, _, _, opt_state = run(make_tx(), "fused", BIG, maybe_jit)
+    assert counters(opt_state)["growth_tracker"] == 1
+
+
 # ----------------------------------------------------------------------------------- nnx
 
 

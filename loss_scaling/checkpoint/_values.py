@@ -148,14 +148,18 @@ _NOT_FLOAT32 = (
 )
 
 
-def _exact_float32(name: str, value: float, as_f32: float | None = None) -> float:
+def _exact_float32(name: str, value: float, as_f32: float | None = None,
+                   below_normal: bool = False) -> float:
     """``value`` if float32 holds it exactly; a ValueError naming both neighbours if not.
 
     A value outside float32's finite normal range is left to the range checks (their
-    message says what the range is)."""
+    message says what the range is), except with ``below_normal`` (a
+    ``grad_max_history`` entry, which may be 0 or subnormal): then a value between
+    float32's subnormals, or below the smallest, is refused too."""
     with np.errstate(over="ignore", under="ignore"):
         rounded = np.float32(value)
-    if (as_f32 is None and not (np.isfinite(rounded) and abs(rounded) >= _F32.tiny)) \
+    lowest = 0.0 if below_normal else _F32.tiny
+    if (as_f32 is None and not (np.isfinite(rounded) and abs(rounded) >= lowest)) \
             or float(rounded) == value:
         return value
     step = np.float32(np.inf if float(rounded) < value else -np.inf)

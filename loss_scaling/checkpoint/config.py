@@ -95,11 +95,18 @@ def check_same_config(saved: LossScale | Mapping[str, Any], target: LossScale) -
         loss_scale (a StaticLossScale's factor): saved 128.0, target 1024.0
       ...
     """
+    refuse_differences(saved, target, _USE_RESTORE_WITH_CONFIG)
+
+
+def refuse_differences(saved: LossScale | Mapping[str, Any], target: LossScale,
+                       fix: str) -> None:
+    """:func:`check_same_config` with the fix its caller offers (``orbax_restore`` names
+    its own ``adopt_config=True``)."""
     differences = _config_differences(saved, target)
     if differences:
         raise ValueError(
             "the saved loss-scale configuration differs from the target's:\n  "
-            + "\n  ".join(differences) + "\n" + _USE_RESTORE_WITH_CONFIG
+            + "\n  ".join(differences) + "\n" + fix
         )
 
 

@@ -44,6 +44,65 @@ LOSS_SCALE_ITEM = "loss_scale"
 """The Composite item that holds :func:`loss_scaling.state_dict` of its loss scale (JSON)."""
 
 
+ADOPT_HERE = (
+    "To keep the saved loss scale and counters under the target's configuration, pass "
+    "`adopt_config=True` to loss_scaling.orbax_restore; to keep the saved configuration, "
+    "build the restore target with it."
+)
+CANNOT_ADOPT = (
+    "loss_scaling.orbax_restore(..., adopt_config=True) cannot adopt {what}: the loss "
+    "scale's arrays were saved as {saved} and Orbax restores arrays only into the "
+    "structure they were saved with, while the target's are {target}. Restore into a "
+    "target built with the saved configuration ({config}), then move the loss scale "
+    "into a state built with the new one: `loss_scaling.restore_loss_scale(new_state, "
+    "loss_scaling.get_loss_scale(restored), adopt_config=True)` (docs/checkpoints.md, "
+    "'Changing the growth rule or the headroom window')."
+)
+KEEP_STRUCTURE = (
+    "{what} changes the loss scale's arrays, so `adopt_config=True` cannot adopt it "
+    "through Orbax: restore with the saved configuration, then "
+    "`loss_scaling.restore_loss_scale(new_state, loss_scaling.get_loss_scale(restored), "
+    "adopt_config=True)` (docs/checkpoints.md, 'Changing the growth rule or the headroom "
+    "window'). To keep the saved configuration, build the restore target with it."
+)
+
+
+def _arrays(scaler: LossScale) -> str:
+    """The loss scale's arrays by name and shape: what Orbax restores into."""
+    config = getattr(scaler, "config", None)
+    window = getattr(config, "headroom_window", None)
+    names = leaf_names(scaler)
+    return ", ".join(f"{name}[{window}]" if name == "grad_max_history" else name
+                     for name in names) or "none"
+
+
+def _structure_change(saved: LossScale, target: LossScale) -> tuple[str, str] | None:
+    """``(what, saved configuration)`` where the saved arrays cannot be restored into the
+    target's (another growth rule, another headroom_window); None where they can."""
+    saved_config, target_config = getattr(saved, "config", None), getattr(target, "config",
+                                                                          None)
+    if saved_config is None or target_config is None:
+        return None
+    for name in ("growth", "headroom_window"):  # another rule: its window is moot
+        saved_value, target_value = getattr(saved_config, name), getattr(target_config, name)
+        if saved_value != target_value:
+            return (f"{name} ({target_value!r} for the saved {saved_value!r})",
+                    f"{name}={saved_value!r}")
+    return None
+
+
+def _resolve(saved: Mapping[str, Any], saved_scaler: LossScale, target: LossScale,
+             adopt_config: bool) -> LossScale:
+    """:func:`loss_scaling.checkpoint.restore.resolve` with this route's fixes, and
+    another array structure refused by name before Orbax meets it."""
+    change = _structure_change(saved_scaler, target)
+    if change is not None and adopt_config:
+        raise ValueError(CANNOT_ADOPT.format(what=change[0], saved=_arrays(saved_scaler),
+                                             target=_arrays(target), config=change[1]))
+    fix = ADOPT_HERE if change is None else KEEP_STRUCTURE.format(what=change[0])
+    return resolve(saved, target, adopt_config=adopt_config, fix=fix)
+
+
 def one_replica(scaler: LossScale) -> LossScale:
     """The scaler of a ``pmap``-replicated state (leading device axes) as one scalar state.
 
@@ -187,7 +246,11 @@ def restore(
         compared only with a concrete target (an abstract one carries no value).
       step: the step to restore; the latest by default.
       adopt_config: keep the target's configuration when it differs from the saved one
-        (the saved scale and counters, :func:`loss_scaling.restore_with_config`).
+        (the saved scale and counters, :func:`loss_scaling.restore_with_config`). Not
+        for another ``growth`` rule or ``headroom_window``: they change the loss scale's
+        arrays, which Orbax restores only into the structure they were saved with
+        (restore as saved, then :func:`loss_scaling.restore_loss_scale` with
+        ``adopt_config=True`` into a state built with the new configuration).
       path: which loss scale, as for :func:`loss_scaling.get_loss_scale`.
 
     Returns:
@@ -196,7 +259,8 @@ def restore(
 
     Raises:
       ValueError: naming the field, if the configuration differs (unless
-        ``adopt_config``), if the saved loss scale is missing, unreadable or invalid, if
+        ``adopt_config``; with it, if the growth rule or the headroom window differs),
+        if the saved loss scale is missing, unreadable or invalid, if
         the arrays disagree with the JSON, or if there is no checkpoint. Orbax's own
         errors (a missing or unreadable array file) pass through.
     """
@@ -226,8 +290,7 @@ def restore(
     # Checked against the target before anything is restored; a concrete target's static
     # factor is compared too (after the restore, the state holds the saved one).
     key = _entry(abstract_state, path)
-    new = resolve(saved, _get(abstract_state, key, path),
-                                adopt_config=adopt_config)
+    new = _resolve(saved, saved_scaler, _get(abstract_state, key, path), adopt_config)
     target = _in_own_dtypes(abstract_state, _get(abstract_state, key, path))
     restored = mngr.restore(step, args=ocp.args.Composite(
         **{STATE_ITEM: ocp.args.StandardRestore(target)}))[STATE_ITEM]

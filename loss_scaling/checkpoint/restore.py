@@ -11,7 +11,11 @@ import optax
 
 from loss_scaling._registry import hooks as framework_hooks
 from loss_scaling.checkpoint._values import place_like
-from loss_scaling.checkpoint.config import check_same_config, restore_with_config
+from loss_scaling.checkpoint.config import (
+    check_same_config,
+    refuse_differences,
+    restore_with_config,
+)
 from loss_scaling.checkpoint.state_dict import from_state_dict, state_dict
 from loss_scaling.core.scalers import LossScale
 from loss_scaling.lookup import get_loss_scale
@@ -89,12 +93,16 @@ def restore_loss_scale(
 
 
 def resolve(saved: LossScale | Mapping[str, Any], target: LossScale, *,
-            adopt_config: bool) -> LossScale:
-    """The scaler a restore gives: ``saved`` checked against ``target``'s configuration,
-    or (``adopt_config``) the saved values under it."""
+            adopt_config: bool, fix: str | None = None) -> LossScale:
+    """The scaler a restore gives: ``saved`` checked against ``target``'s configuration
+    (a difference refused with ``fix``, by default :func:`check_same_config`'s), or
+    (``adopt_config``) the saved values under it."""
     if adopt_config:
         return restore_with_config(saved, target)
-    check_same_config(saved, target)
+    if fix is None:
+        check_same_config(saved, target)
+    else:
+        refuse_differences(saved, target, fix)
     return from_state_dict(saved if isinstance(saved, Mapping) else state_dict(saved))
 
 

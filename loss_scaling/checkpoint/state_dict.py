@@ -155,7 +155,7 @@ def _parse_headroom(config: DynamicConfig, raw_values: Mapping[str, Any]) -> dic
             f"{_INVALID}values.grad_max_history must be a list of config.headroom_window "
             f"= {config.headroom_window} numbers, got {show(raw)}.")
     history = [_exact_float32(f"values.grad_max_history[{i}]",
-                              _number(f"values.grad_max_history[{i}]", x))
+                              _number(f"values.grad_max_history[{i}]", x), below_normal=True)
                for i, x in enumerate(raw)]
     problem = history_problem(np.asarray(history, np.float64))
     if problem is not None:

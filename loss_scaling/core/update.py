@@ -108,8 +108,20 @@ def _headroom_clean(state: DynamicLossScale, grads_max: jax.Array, lifts: jax.Ar
     high = jnp.float32(scale_range(config)[1])
     ceiling = jnp.where(lifts, jnp.minimum(old_ceiling * jnp.float32(config.growth_factor),
                                            high), old_ceiling)
-    target = headroom_target(config, jnp.max(history), jnp.minimum(ceiling, high))
+    cap = jnp.minimum(ceiling, high)
+    peak = jnp.max(history)
+    # A window of zeros measured nothing (the gradients are 0, or flushed to 0 below the
+    # scale): no jump to the cap, from which the first real gradients would overflow and
+    # back off one step at a time; one growth_factor, and a new window to fill first.
+    # (The interval rule's growth: a product beyond float32, max_scale unset, is none.)
+    probe = scale * jnp.float32(config.growth_factor)
+    if config.max_scale is not None:
+        probe = jnp.minimum(probe, jnp.float32(config.max_scale))
+    probe = jnp.minimum(jnp.where(jnp.isfinite(probe), probe, scale), ceiling)
+    empty = ~(peak > 0)
+    target = jnp.where(empty, probe, headroom_target(config, peak, cap))
     grows = (counted >= window) & (target > scale)
+    counted = jnp.where(grows & empty, jnp.zeros_like(counted), counted)
     return {"loss_scale": jnp.where(grows, target, scale),
             "growth_tracker": jnp.where(lifts, jnp.zeros_like(counted_clean), counted_clean),
             "grad_max_history": history, "headroom_tracker": counted, "ceiling": ceiling}
@@ -141,14 +153,17 @@ def records_max(state: DynamicLossScale) -> jax.Array:
 
 def headroom_target(config: DynamicConfig, peak: jax.Array, cap: jax.Array) -> jax.Array:
     """``min(T, cap)`` for the largest power of two ``T`` with ``T * margin * peak <=
-    finfo(headroom_dtype).max`` (float32); ``peak`` 0 gives ``cap``.
+    finfo(headroom_dtype).max`` (float32); ``peak`` 0 gives ``cap`` (the rule itself
+    probes by one ``growth_factor`` instead, :func:`_headroom_clean`).
 
     The power of two is read off the bits of the float32 ratio (its exponent, the
     mantissa cleared): exact, and 0 for a ratio below the normal range, never a
     subnormal. A ratio beyond float32 (``peak`` 0 or tiny) is float32's max first.
     """
     limit = jnp.float32(jnp.finfo(jnp.dtype(config.headroom_dtype)).max)
-    ratio = limit / (jnp.float32(config.headroom_margin) * peak)
+    # limit / margin is exact and normal (a power-of-two margin, validated <= 2**127);
+    # margin * peak first would overflow for a peak above float32's max / margin.
+    ratio = limit / jnp.float32(config.headroom_margin) / peak
     ratio = jnp.minimum(ratio, jnp.float32(_F32.max))
     exponent_bits = lax.bitcast_convert_type(ratio, jnp.int32) & 0x7F800000
     return jnp.minimum(lax.bitcast_convert_type(exponent_bits, jnp.float32), cap)

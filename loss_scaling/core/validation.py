@@ -79,6 +79,15 @@ def int_in_range(name: str, value: Any, low: int, high: int, hint: str = "") -> 
     return as_int
 
 
+def flag(name: str, value: Any, hint: str = "") -> bool:
+    """``value`` as a Python bool (a bool or a numpy bool), else a ValueError naming it:
+    a string such as ``"false"`` is truthy and would switch the option on."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {show(value)} of type "
+                         f"{type(value).__name__}.{hint}")
+    return bool(value)
+
+
 def positive_int32(name: str, value: Any) -> int:
     return int_in_range(name, value, 1, _INT32_MAX)
 

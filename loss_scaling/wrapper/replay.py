@@ -54,7 +54,14 @@ NOT_A_SCALAR = (
 OTHER_STRUCTURE = (
     "value_fn's gradients have the structure {got}, but the gradients passed to the update "
     "have {want}: value_fn must be the loss as a function of the params given to the "
-    "update (the tree the optimizer was initialised with)."
+    "update (the tree the optimizer was initialised with; with optax.lookahead, of the "
+    "fast params, `params.fast`)."
+)
+NO_PARAMS = (
+    "with_loss_scaling(max_replays={n}) recomputes a batch whose gradients overflow by "
+    "calling value_fn on the params, but the update got params=None: pass them, "
+    "`tx.update(grads, opt_state, params, value_fn=...)` (or use ls.apply_gradients), or "
+    "pass max_replays=0 to skip such steps."
 )
 
 
@@ -73,13 +80,36 @@ def inner_takes_value_fn(inner: Any) -> bool:
     return any(p.kind == p.VAR_KEYWORD or p.name == REPLAY_EXTRA_ARG for p in parameters)
 
 
-def _value_fn(options: WrapperOptions, extra_args: dict[str, Any]) -> Callable[..., Any]:
+def refuses_value_fn(options: WrapperOptions, extra_args: dict[str, Any],
+                     error: TypeError) -> bool:
+    """Whether the inner update refused the ``value_fn=`` that replay forwarded to it.
+
+    An ``optax.chain`` takes any keyword and hands it to every member, so its signature
+    cannot say whether one of them (``optax.contrib.sam``) refuses it: the step then
+    calls the inner update again without it (Python's own message names the keyword;
+    there is no other signal to read).
+    """
+    return (options.max_replays > 0 and REPLAY_EXTRA_ARG in extra_args
+            and f"keyword argument '{REPLAY_EXTRA_ARG}'" in str(error))
+
+
+def _value_fn(options: WrapperOptions, extra_args: dict[str, Any],
+              params: Any) -> Callable[..., Any]:
     value_fn = extra_args.get(REPLAY_EXTRA_ARG)
     if value_fn is None:
         raise ValueError(NO_VALUE_FN.format(n=options.max_replays))
     if not callable(value_fn):
         raise TypeError(NOT_CALLABLE.format(what=describe(value_fn)))
+    if params is None:
+        raise ValueError(NO_PARAMS.format(n=options.max_replays))
     return value_fn
+
+
+def differentiated(params: Any) -> Any:
+    """What ``value_fn`` takes and the gradients are of: the params, or with
+    ``optax.lookahead`` (whose update takes ``LookaheadParams`` and gradients of the fast
+    params) the fast params."""
+    return params.fast if isinstance(params, optax.LookaheadParams) else params
 
 
 def scaled_value_and_grad(value_fn: Callable[..., Any], scaler: Any, params: Any,
@@ -107,7 +137,8 @@ def replay(options: WrapperOptions, state: LossScalingState, params: Any,
     imports this one). A ``grad=`` extra argument (``optax.lbfgs``'s) is the gradients of
     ``value_fn``: each replay replaces it by its own, as it replaces ``loss=``.
     """
-    value_fn = _value_fn(options, extra_args)
+    value_fn = _value_fn(options, extra_args, params)
+    params = differentiated(params)
     # Types only: a traced value closed over by the loop would be another operand of it.
     first_grads = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape, g.dtype),
                                decision.grads)
@@ -156,6 +187,18 @@ def replay(options: WrapperOptions, state: LossScalingState, params: Any,
     if extra_args.get("grad") is not None:
         extra_args = {**extra_args, "grad": final.grads}
     return final, scaler, extra_args
+
+
+def no_growth_after(replays: jax.Array, backed_off: Any, stepped: Any) -> Any:
+    """The scaler after a step: a replayed one stays at the backed-off scale.
+
+    A growth due on the replayed step (``growth_interval=1``) is not taken: it would go
+    straight back to the scale that just overflowed. The growth tracker is as the clean
+    step left it (0 where that growth was due), so the next clean step grows.
+    """
+    grew = jnp.asarray(stepped.loss_scale) > jnp.asarray(backed_off.loss_scale)
+    return optax.tree.where(
+        (replays > 0) & grew, stepped._replace(loss_scale=backed_off.loss_scale), stepped)
 
 
 def saturating_add(counter: jax.Array, amount: jax.Array) -> jax.Array:

@@ -90,7 +90,7 @@ def agree(flags: jax.Array, squares: jax.Array, axis_name: AxisName,
     sum (an inf on one replica reaches all) is the one every replica reports. A NaN sum
     reads +inf first: the min of an all-reduce need not propagate NaN, and the norm of
     non-finite gradients is then inf on every path and device. A ``peak`` (the largest
-    squared entry, headroom growth) rides in the same ``pmin``: ``(flags, squares, peak)``.
+    |entry|, headroom growth) rides in the same ``pmin``: ``(flags, squares, peak)``.
     """
     maxima = [jnp.where(jnp.isnan(x), jnp.inf, x) for x in (squares, peak) if x is not None]
     if axis_name is None:
@@ -101,23 +101,27 @@ def agree(flags: jax.Array, squares: jax.Array, axis_name: AxisName,
     return (every[:n] == 1, *(-every[n + i] for i in range(len(maxima))))
 
 
-def group_square_peak(x: jax.Array) -> jax.Array:
-    """The largest ``|x|**2`` of a group's vector as float32 (complex: ``re**2 +
-    im**2``); its square root is their max |entry|."""
-    compute = numerics.compute_dtype(x.dtype)
-    parts = [jnp.real(x), jnp.imag(x)] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
-    return jnp.max(sum(jnp.square(p.astype(compute)) for p in parts)).astype(jnp.float32)
+def group_peak(x: jax.Array) -> jax.Array:
+    """The largest ``|entry|`` of a group's vector as float32, as
+    :func:`loss_scaling.grads_max` computes it (complex: the modulus).
+
+    The magnitude itself, not the square root of the largest square: a square leaves
+    float32's range for an entry above ~1.8e19 (it would read inf, "no room", for ever
+    with ``headroom_dtype`` float32 or bfloat16) and flushes to 0 below ~1.1e-19 (an
+    empty entry, though the gradients are not zero).
+    """
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-def square_peak(x: Any) -> jax.Array:
-    """``max(|x|**2)`` of one floating leaf as float32 (0 for other and empty leaves)."""
+def leaf_peak(x: Any) -> jax.Array:
+    """``max(|x|)`` of one floating leaf as float32 (0 for other and empty leaves)."""
     if not numerics.is_floating(x) or not jnp.size(x):
         return jnp.zeros((), jnp.float32)
-    return group_square_peak(jnp.asarray(x))
+    return group_peak(jnp.asarray(x))
 
 
 def _peak(peaks: list[jax.Array]) -> jax.Array:
-    """The largest of per-leaf (or per-group) squared maxima, float32 (0 for none)."""
+    """The largest of per-leaf (or per-group) maxima, float32 (0 for none)."""
     return jnp.max(jnp.stack(peaks)) if peaks else jnp.zeros((), jnp.float32)
 
 
@@ -130,17 +134,16 @@ def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None, axis_name: Ax
     bool) the largest |entry| of the scaled gradients (float32, agreed over
     ``axis_name``), else None.
 
-    The max is the largest *square*'s square root. Off CPU it is a sibling reduction of
-    the squares the norm sums (one read), taken in the same collective, on every step.
+    The max is that of the magnitudes (:func:`group_peak`). Off CPU it is a sibling
+    reduction of the same leaves the norm reads (one read), taken in the same collective,
+    on every step.
     XLA on CPU does not fuse a second reduction into the screen's vectorized sum (a
     multi-output reduction ran 10-20x slower than the sum, benchmarks/headroom_cost.py):
     there the max is a second read with its own collective, under a conditional that
     runs it only on the steps that record it (and are finite); a model of small leaves
     only, where the conditional costs more than the read, reads it on every step. On the
     other steps it is 0, which the rule ignores
-    (:func:`loss_scaling.core.update.records_max`). A square that overflows float32 (an
-    entry above 1.8e19) reads inf, which the rule treats as no room to grow: right, since
-    such a gradient leaves none in float16 either.
+    (:func:`loss_scaling.core.update.records_max`).
 
     On CPU the leaves are first screened by sums of squares, the one reduction XLA CPU
     vectorizes (about 3x faster than one with the unscale or ``abs`` as its producer,
@@ -222,8 +225,8 @@ def _exact_test(grads: Any, inverse: numerics.Reciprocal | None, axis_name: Axis
     flags, _ = numerics.unscaled_finite_leaves(grads, inverse, None)
     if with_max:
         flags, squares, peak = agree(
-            flags, squares, axis_name, _peak([square_peak(x) for x in leaves]))
-        return flags, flags.all(), squares, jnp.sqrt(peak)
+            flags, squares, axis_name, _peak([leaf_peak(x) for x in leaves]))
+        return flags, flags.all(), squares, peak
     flags, squares = agree(flags, squares, axis_name)
     return flags, flags.all(), squares, None
 
@@ -233,11 +236,10 @@ def _read_max(leaves: list[Any], groups: list[numerics.LeafGroup],
     """On CPU: the max |entry| in a pass of its own under a conditional (0 unless
     ``read``), agreed over ``axis_name`` by its own ``pmin`` (NaN-safe)."""
     def read_max(_: Any) -> jax.Array:
-        peak = _peak([group_square_peak(numerics.group_vector(leaves, group))
-                      for group in groups])
+        peak = _peak([group_peak(numerics.group_vector(leaves, group)) for group in groups])
         if axis_name is not None:
             peak = -lax.pmin(-jnp.where(jnp.isnan(peak), jnp.inf, peak), axis_name)
-        return jnp.sqrt(peak)
+        return peak
 
     if all(group.joined for group in groups):
         # Only small leaves, concatenated: a few small kernels on every step cost less

@@ -176,6 +176,8 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
         stepped_scaler = _stepped_scaler(state.scaler,
                                          decision.grads_finite & decision.loss_finite,
                                          decision.grads_max)
+    if replay.enabled(options, state):
+        stepped_scaler = replay.no_growth_after(decision.replays, state.scaler, stepped_scaler)
     consecutive_skips = _count(state.consecutive_skips, applied, reset=True)
 
     failure, fails, new_scaler = _next_failure(options, state, stepped_scaler,
@@ -289,9 +291,14 @@ def _inner_step(options: WrapperOptions, inverse: numerics.Reciprocal | None,
                 extra_args: dict[str, Any], fused: bool, operands: Any) -> Any:
     """The taken branch: unscale, the inner update and, fused, ``apply_updates``."""
     grads, inner_state, params = operands
-    updates, new_inner = options.inner.update(
-        _unscale(grads, inverse), inner_state, params,
-        **_inner_extra_args(options, extra_args, inverse))
+    unscaled, extra = _unscale(grads, inverse), _inner_extra_args(options, extra_args, inverse)
+    try:
+        updates, new_inner = options.inner.update(unscaled, inner_state, params, **extra)
+    except TypeError as error:  # replay's value_fn, refused inside a chain (sam)
+        if not replay.refuses_value_fn(options, extra, error):
+            raise
+        del extra[REPLAY_EXTRA_ARG]
+        updates, new_inner = options.inner.update(unscaled, inner_state, params, **extra)
     out = optax.apply_updates(params, updates) if fused else updates
     return out, _in_dtypes_of(new_inner, inner_state)
 

@@ -69,6 +69,10 @@ class LossScalingTransformation(optax.GradientTransformationExtraArgs):
     options: WrapperOptions
 
 
+_DIAGNOSTICS_HINT = (" Pass True to record the fractions of zero and tiny gradients, "
+                     "False (the default) for none.")
+
+
 def with_loss_scaling(
     inner: optax.GradientTransformation,
     scaler: LossScale | None = None,
@@ -160,8 +164,8 @@ def with_loss_scaling(
     Raises:
       ValueError: for an unknown ``skip``, ``on_failure`` or ``nonfinite_loss``, a
         ``max_consecutive_skips`` or ``max_nonfinite_losses`` that is not a positive
-        integer, or a ``max_replays`` outside [0, 64]; from ``update``, with replay on
-        and no ``value_fn=``.
+        integer, a ``max_replays`` outside [0, 64], or an ``underflow_diagnostics`` that
+        is not a bool; from ``update``, with replay on and no ``value_fn=``.
       TypeError: if ``inner`` is not an optax transformation or ``scaler`` not a
         loss-scale state; from ``init``, if a params leaf
         has a dtype without a zero (``float8_e8m0fnu``), which no skipped step can keep.
@@ -196,6 +200,8 @@ def with_loss_scaling(
         "max_replays", max_replays, 0, MAX_REPLAYS,
         " Pass 0 (the default) for no replay, or a small count such as 2: each replay is "
         "one more forward and backward pass of an overflowed batch.")
+    underflow_diagnostics = validation.flag("underflow_diagnostics", underflow_diagnostics,
+                                            _DIAGNOSTICS_HINT)
     if scaler is None:
         scaler = DynamicLossScale()
     require_scaler("scaler", scaler)
