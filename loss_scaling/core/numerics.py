@@ -223,8 +223,16 @@ def unscaled_leaf_finite(x: Any, inverse: Reciprocal | None) -> jax.Array:
     bool; ``True`` for integer and bool leaves)."""
     if not is_floating(x):
         return jnp.asarray(True)
+    return jnp.isfinite(unscaled_bounded_sum(x, inverse))
+
+
+def unscaled_bounded_sum(x: Any, inverse: Reciprocal | None) -> jax.Array:
+    """:func:`_bounded_sum` of one floating leaf unscaled as :func:`unscale` computes it:
+    finite iff every unscaled entry is (:func:`unscaled_leaf_finite` is its
+    ``isfinite``). Several leaves' sums stacked take one ``isfinite`` kernel, not one
+    each."""
     x = jnp.asarray(x)
-    return jnp.isfinite(_bounded_sum(x if inverse is None else unscale_leaf(x, inverse)))
+    return _bounded_sum(x if inverse is None else unscale_leaf(x, inverse))
 
 
 def unscaled_finite_leaves(
