@@ -95,8 +95,8 @@ BACKOFF_UNDERFLOW = (
     "overflowing at every scale: look for a NaN/inf in the loss or the model itself (pass "
     "`loss=loss` to the optimizer update and read `nonfinite_loss_steps` and "
     "`loss_scaling.nonfinite_grad_paths`), or pass `min_scale=...` to clamp the backoff. "
-    "`loss_scaling.find_overflow(loss_fn, *args)` names the layer, op and line where the "
-    "first inf/NaN appears (forward or backward); `loss_scaling.float16_report` shows "
+    "`loss_scaling.find_overflow(loss_fn, *args)` names the layer, op and line of the "
+    "first inf/NaN that reaches the loss or a gradient (forward or backward); `loss_scaling.float16_report` shows "
     "whether the model fits float16 at all."
 )
 
