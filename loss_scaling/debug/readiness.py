@@ -166,7 +166,7 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
     held to float16's range) and there is no verdict.
 
     Args:
-      loss_fn, *args, scale, has_aux: as for :func:`find_overflow`.
+      loss_fn, ``*args``, scale, has_aux: as for :func:`find_overflow`.
 
     Returns:
       A :class:`Float16Report`: printable, its rows programmatic.
