@@ -96,8 +96,8 @@ BACKOFF_UNDERFLOW = (
     "`loss=loss` to the optimizer update and read `nonfinite_loss_steps` and "
     "`loss_scaling.nonfinite_grad_paths`), or pass `min_scale=...` to clamp the backoff. "
     "`loss_scaling.find_overflow(loss_fn, *args)` names the layer, op and line of the "
-    "first inf/NaN that reaches the loss or a gradient (forward or backward); `loss_scaling.float16_report` shows "
-    "whether the model fits float16 at all."
+    "first inf/NaN that reaches the loss or a gradient (forward or backward); "
+    "`loss_scaling.float16_report` shows whether the model fits float16 at all."
 )
 
 INVALID_SCALE = (
@@ -115,7 +115,7 @@ TOO_MANY_SKIPS = (
     "The run is not recovering by backing off, so it stops (every later step is skipped, "
     "params and optimizer state stay as they were): look for the source of the inf/NaN "
     "there (or raise max_consecutive_skips). `loss_scaling.find_overflow(loss_fn, *args)` "
-    "names the layer, op and line where the first inf/NaN appears (forward or backward); "
+    "names the layer, op and line of the first inf/NaN that matters (forward or backward); "
     "`loss_scaling.float16_report` shows whether the model fits float16 at all."
 )
 
@@ -127,8 +127,8 @@ NONFINITE_LOSS = (
     "is {scale!r}). The loss "
     "is computed before it is scaled: a non-finite loss comes from the forward pass "
     "itself (an overflow in float16, a log of 0, a bad batch), and no loss scale can fix "
-    "it. `loss_scaling.find_overflow(loss_fn, *args)` names the layer, op and line where "
-    "the first inf/NaN appears; compute that part in float32, or fix the data."
+    "it. `loss_scaling.find_overflow(loss_fn, *args)` names the layer, op and line of "
+    "the first inf/NaN that matters; compute that part in float32, or fix the data."
 )
 
 
@@ -163,7 +163,7 @@ SCALER_TOO_MANY_SKIPS = (
     "(the loss scale is now {scale!r}) and recorded it in this loss scale, so a state saved "
     "from it resumes failed too. `loss_scaling.check(opt_state, params)` names the "
     "gradient leaves that were non-finite; `loss_scaling.find_overflow(loss_fn, *args)` "
-    "names the layer, op and line where the first inf/NaN appears."
+    "names the layer, op and line of the first inf/NaN that matters."
 )
 
 
@@ -171,8 +171,8 @@ SCALER_NONFINITE_LOSS = (
     "the run stopped: the loss given to the optimizer wrapper was not finite on "
     "max_nonfinite_losses consecutive skipped steps (the loss scale is now {scale!r}); the "
     "forward pass itself produces inf/NaN, which no loss scale can fix. "
-    "`loss_scaling.find_overflow(loss_fn, *args)` names the layer, op and line where the "
-    "first inf/NaN appears."
+    "`loss_scaling.find_overflow(loss_fn, *args)` names the layer, op and line of the "
+    "first inf/NaN that matters."
 )
 
 

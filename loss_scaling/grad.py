@@ -94,7 +94,7 @@ def split_loss_and_aux(fun: Callable[..., Any], out: Any, has_aux: bool) -> tupl
     return out, None
 
 
-def scaled_loss(fun: Callable[..., Any], has_aux: bool, scaler: Any, *args: Any,
+def scaled_loss(fun: Callable[..., Any], has_aux: bool, scaler: Any, /, *args: Any,
                 **kwargs: Any) -> tuple[Any, tuple[Any, Any]]:
     """``(scaled loss, (loss, aux))`` of ``fun``: the one place the loss functions given
     to ``value_and_grad`` (and the integrations') are called and scaled. A ``ls.scale``
