@@ -16,10 +16,10 @@ entries flush to exactly zero, the lower layers never learn, and training stalls
 chance. Adam rescales tiny but nonzero gradients, so float32 trains normally, and so does
 float16 once the loss scale lifts the gradients into range.
 
-Everything is generated deterministically from ``--seed`` (no downloads). The module
-imports nothing optional at import time: tqdm (progress bar) and matplotlib (the PNG)
-come with ``pip install "loss-scaling[demo]"``; without tqdm a plain text bar is shown,
-without matplotlib the PNG is skipped with a message.
+Everything is generated deterministically from ``--seed`` (no downloads). The output (a
+progress bar, the comparison table, a PNG of the curves) imports nothing optional at import
+time: tqdm and matplotlib come with ``pip install "loss-scaling[demo]"``; without tqdm a
+plain text bar is shown, without matplotlib the PNG is skipped with a message.
 """
 
 from __future__ import annotations
@@ -39,32 +39,10 @@ import numpy as np
 import optax
 
 import loss_scaling as ls
-from loss_scaling.demo_report import (  # noqa: F401  (the demo's public helpers)
-    _progress_bar,
-    _TextBar,
-    accuracy_gaps,
-    draw_results,
-    format_table,
-    save_figure,
-)
 
-__all__ = [
-    "MODES",
-    "MLP",
-    "Mode",
-    "RunResult",
-    "accuracy_gaps",
-    "draw_results",
-    "evaluate",
-    "format_table",
-    "main",
-    "make_optimizer",
-    "make_spirals",
-    "make_train_step",
-    "run",
-    "save_figure",
-    "train",
-]
+__all__ = ["MODES", "MLP", "Mode", "RunResult", "accuracy_gaps", "draw_results", "evaluate",
+           "format_table", "main", "make_optimizer", "make_spirals", "make_train_step", "run",
+           "save_figure", "train"]
 
 DEFAULT_STEPS = 1000
 DEFAULT_SEED = 0
@@ -242,12 +220,9 @@ class RunResult:
         return float(self.zero_fractions.mean())
 
 
-def _train_and_test_data(data: tuple[Any, Any, Any, Any] | None,
-                         seed: int) -> tuple[jax.Array, ...]:
-    if data is None:
-        data = (*make_spirals(NUM_EXAMPLES, seed=seed, split=0),
-                *make_spirals(NUM_EXAMPLES, seed=seed, split=1))
-    return tuple(jnp.asarray(a) for a in data)
+def _train_and_test_data(seed: int) -> tuple[Any, ...]:
+    return (*make_spirals(NUM_EXAMPLES, seed=seed, split=0),
+            *make_spirals(NUM_EXAMPLES, seed=seed, split=1))
 
 
 def train(
@@ -269,7 +244,7 @@ def train(
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}.")
-    x_train, y_train, x_test, y_test = _train_and_test_data(data, seed)
+    x_train, y_train, x_test, y_test = map(jnp.asarray, data or _train_and_test_data(seed))
     model = MLP(dtype=mode.dtype)
     params = model.init(jax.random.key(seed), x_train[:1])["params"]
     tx = make_optimizer(mode, steps)
@@ -326,9 +301,124 @@ def run(
     modes: Sequence[Mode] = MODES,
 ) -> list[RunResult]:
     """Trains every mode on the same data from the same initialisation."""
-    data = (*make_spirals(NUM_EXAMPLES, seed=seed, split=0),
-            *make_spirals(NUM_EXAMPLES, seed=seed, split=1))
+    data = _train_and_test_data(seed)
     return [train(mode, steps=steps, seed=seed, progress=progress, data=data) for mode in modes]
+
+
+# --------------------------------------------------------------------------- output
+
+
+class _TextBar:
+    """A minimal stand-in for ``tqdm`` (used when it is not installed)."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.total, self.desc, self.n, self.postfix = total, desc, 0, ""
+        self.start = time.perf_counter()
+
+    def _draw(self, end: str = "") -> None:
+        done = int(30 * self.n / max(self.total, 1))
+        elapsed = time.perf_counter() - self.start
+        sys.stderr.write(f"\r{self.desc}: [{'#' * done}{'.' * (30 - done)}] "
+                         f"{self.n}/{self.total} {elapsed:5.1f}s {self.postfix}{end}")
+        sys.stderr.flush()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        self._draw()
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        self.postfix = s
+
+    def close(self) -> None:
+        self._draw(end="\n")
+
+
+def _progress_bar(total: int, desc: str) -> Any:
+    """tqdm's bar on stderr, or :class:`_TextBar` without tqdm."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _TextBar(total, desc)
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+def accuracy_gaps(results: Sequence[RunResult]) -> dict[str, float]:
+    """Test accuracy of each mode minus that of ``fp32``, in points (percent)."""
+    reference = {r.mode.name: r for r in results}["fp32"]
+    return {r.mode.name: round(100 * (r.test_accuracy - reference.test_accuracy), 1) + 0.0
+            for r in results if r is not reference}
+
+
+def format_table(results: Sequence[RunResult]) -> str:
+    """The comparison table, then a line of test-accuracy differences against ``fp32``."""
+    header = (f"{'mode':<8} {'compute':<29} {'final loss':>10} {'test acc':>8} "
+              f"{'skipped':>7} {'final scale':>11} {'ms/step':>7} {'zero grads':>10}")
+    lines = [header, "-" * len(header)]
+    for r in results:
+        exponent = float(np.log2(r.final_scale))  # a power of two shows as 2^k
+        scale = f"2^{exponent:g}" if exponent.is_integer() and exponent else f"{r.final_scale:g}"
+        lines.append(
+            f"{r.mode.name:<8} {r.mode.description:<29} {r.final_loss:>10.4f} "
+            f"{100 * r.test_accuracy:>7.1f}% {r.skipped_steps:>7d} "
+            f"{scale:>11} {1e3 * r.seconds_per_step:>7.2f} "
+            f"{100 * r.zero_fraction:>9.1f}%")
+    lines.append("-" * len(header))
+    if any(r.mode.name == "fp32" for r in results):
+        by_name = {r.mode.name: r for r in results}
+        gaps = [f"{by_name[name].mode.description} {gap:+.1f} points"
+                for name, gap in accuracy_gaps(results).items()]
+        lines.append("test accuracy vs float32: " + "; ".join(gaps))
+    lines.append("zero grads: fraction of gradient entries that are exactly 0, "
+                 "mean over the steps")
+    return "\n".join(lines)
+
+
+_COLORS = {"fp32": "tab:blue", "fp16": "tab:red", "fp16+ls": "tab:green"}
+
+
+def draw_results(results: Sequence[RunResult], axes: Sequence[Any]) -> None:
+    """Draws the three panels on three matplotlib axes: loss, zero gradients, loss scale."""
+    ax_loss, ax_zero, ax_scale = axes
+    for r in results:
+        color = _COLORS.get(r.mode.name)
+        label = f"{r.mode.name} (test acc {100 * r.test_accuracy:.1f}%)"
+        steps = np.arange(1, len(r.losses) + 1)
+        ax_loss.plot(steps, r.losses, color=color, label=label, lw=1.5)
+        ax_zero.plot(steps, 100 * r.zero_fractions, color=color, label=r.mode.name, lw=1.5)
+    ax_loss.set(title="training loss", xlabel="step", ylabel="cross-entropy", yscale="log")
+    ax_loss.legend(fontsize=8)
+    ax_zero.set(title="gradient entries that are exactly 0", xlabel="step", ylabel="%",
+                ylim=(-3, 100))
+    ax_zero.legend(fontsize=8)
+
+    scaled = [r for r in results if r.mode.dynamic]
+    for r in scaled:
+        steps = np.arange(1, len(r.loss_scales) + 1)
+        color = _COLORS.get(r.mode.name)
+        ax_scale.step(steps, r.loss_scales, where="post", color=color, label=r.mode.name)
+        skipped = ~r.finite
+        ax_scale.scatter(steps[skipped], r.loss_scales[skipped], marker="x", color="black",
+                         zorder=3, label=f"skipped step ({int(skipped.sum())})")
+    ax_scale.set(title="loss scale (fp16+ls)", xlabel="step", ylabel="factor")
+    ax_scale.set_yscale("log", base=2)
+    if scaled:
+        ax_scale.legend(fontsize=8)
+
+
+def save_figure(results: Sequence[RunResult], path: str | os.PathLike[str]) -> None:
+    """Saves the three panels as a PNG at ``path`` (needs matplotlib; no pyplot state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 4.2), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    draw_results(results, fig.subplots(1, 3))
+    fig.suptitle("float16 training: without loss scaling the lower layers get zero "
+                 "gradients; with it, float16 matches float32")
+    directory = os.path.dirname(os.fspath(path))
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    fig.savefig(os.fspath(path), format="png")
 
 
 # ------------------------------------------------------------------------------ CLI
