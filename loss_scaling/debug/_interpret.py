@@ -35,7 +35,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -84,6 +83,11 @@ class Where:
     def iteration(self, kind: str, index: int) -> Where:
         return dataclasses.replace(self, loops=(*self.loops, (kind, index)))
 
+    @property
+    def scopes(self) -> list[str]:
+        """The scope names (module paths, ``named_scope``), transforms dropped."""
+        return [e.name for e in self.name_stack.stack if type(e).__name__ == "Scope"]
+
 
 # visit(eqn, invals, outvals, where, out_origins) is called after each leaf equation ran;
 # out_origins[i] is None where outvals[i] is finite (or not floating).
@@ -100,7 +104,7 @@ class Interpreter:
     visit: Visitor
     fresh: Fresh
 
-    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], where: Where,
+    def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], where: Where,
             origins: Sequence[Any] | None = None,
             const_origins: Sequence[Any] | None = None) -> tuple[list[Any], list[Any]]:
         """Evaluates ``jaxpr``; returns its outputs and their origins.
@@ -141,25 +145,24 @@ class Interpreter:
         if name in CALLS:
             key = next(k for k in _JAXPR_KEYS if k in eqn.params)
             jaxpr, consts = _open(eqn.params[key])
-            return self.run(jaxpr, consts, invals, where, origins)
+            return self.eval_jaxpr(jaxpr, consts, invals, where, origins)
         if name == "cond":
             branch = eqn.params["branches"][int(invals[0])]
-            return self.run(branch.jaxpr, branch.consts, invals[1:], where, origins[1:])
+            return self.eval_jaxpr(branch.jaxpr, branch.consts, invals[1:], where, origins[1:])
         if name == "scan":
             return self._scan(eqn, invals, origins, where)
         if name == "while":
             return self._while(eqn, invals, origins, where)
         out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
         outvals = list(out) if eqn.primitive.multiple_results else [out]
-        outorigins = []
-        for i, x in enumerate(outvals):
-            outorigins.append(self._origin(eqn, invals, origins, i, x, where))
+        outorigins = [self._origin(eqn, invals, origins, i, x, where)
+                      for i, x in enumerate(outvals)]
         self.visit(eqn, invals, outvals, where, outorigins)
         return outvals, outorigins
 
     def _origin(self, eqn: Any, invals: list[Any], origins: list[Any], index: int, out: Any,
                 where: Where) -> Any:
-        if not is_float(out) or all_finite(out):
+        if not is_float(out) or finite_on_host(out):
             return None
         bad = ~jnp.isfinite(out)
         if any(o is not None for o in origins):
@@ -174,39 +177,31 @@ class Interpreter:
     def _scan(self, eqn: Any, invals: list[Any], origins: list[Any],
               where: Where) -> tuple[list[Any], list[Any]]:
         p = eqn.params
-        body, length = p["jaxpr"], p["length"]
-        n_consts, n_carry = p["num_consts"], p["num_carry"]
-        consts, carry, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
-                             invals[n_consts + n_carry:])
-        c_o, carry_o, xs_o = (origins[:n_consts], origins[n_consts:n_consts + n_carry],
-                              origins[n_consts + n_carry:])
-        ys: list[list[Any]] = [[] for _ in eqn.outvars[n_carry:]]
-        ys_o: list[list[Any]] = [[] for _ in eqn.outvars[n_carry:]]
-        order = range(length - 1, -1, -1) if p["reverse"] else range(length)
-        for i in order:
-            out, out_o = self.run(body.jaxpr, body.consts, [*consts, *carry, *(x[i] for x in xs)],
-                                  where.iteration("scan", i),
-                                  [*c_o, *carry_o, *(None if o is None else o[i] for o in xs_o)])
+        body, n_consts, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
+        n_in = n_consts + n_carry
+        consts, carry, xs = invals[:n_consts], invals[n_consts:n_in], invals[n_in:]
+        c_o, carry_o, xs_o = origins[:n_consts], origins[n_consts:n_in], origins[n_in:]
+        ys: list[list[tuple[Any, Any]]] = [[] for _ in eqn.outvars[n_carry:]]  # (value, origin)
+        for i in range(p["length"] - 1, -1, -1) if p["reverse"] else range(p["length"]):
+            out, out_o = self.eval_jaxpr(
+                body.jaxpr, body.consts, [*consts, *carry, *(x[i] for x in xs)],
+                where.iteration("scan", i),
+                [*c_o, *carry_o, *(None if o is None else o[i] for o in xs_o)])
             carry, carry_o = out[:n_carry], out_o[:n_carry]
-            for stack, y in zip(ys, out[n_carry:], strict=True):
-                stack.append(y)
-            for stack, o in zip(ys_o, out_o[n_carry:], strict=True):
-                stack.append(o)
+            for stack, y, o in zip(ys, out[n_carry:], out_o[n_carry:], strict=True):
+                stack.append((y, o))
         stacked: list[Any] = []
         stacked_o: list[Any] = []
-        for var, stack, stack_o in zip(eqn.outvars[n_carry:], ys, ys_o, strict=True):
+        for var, stack in zip(eqn.outvars[n_carry:], ys, strict=True):
             if p["reverse"]:
-                stack, stack_o = stack[::-1], stack_o[::-1]
-            if not stack:
+                stack.reverse()
+            if not stack:  # length 0
                 stacked.append(jnp.zeros(var.aval.shape, var.aval.dtype))
                 stacked_o.append(None)
                 continue
-            stacked.append(jnp.stack(stack))
-            if all(o is None for o in stack_o):
-                stacked_o.append(None)
-            else:
-                stacked_o.append(jnp.stack([_full(o, y) for o, y in zip(stack_o, stack,
-                                                                         strict=True)]))
+            stacked.append(jnp.stack([y for y, _ in stack]))
+            stacked_o.append(None if all(o is None for _, o in stack)
+                             else jnp.stack([_full(o, y) for y, o in stack]))
         return [*carry, *stacked], [*carry_o, *stacked_o]
 
     def _while(self, eqn: Any, invals: list[Any], origins: list[Any],
@@ -220,12 +215,12 @@ class Interpreter:
         i = 0
         while True:
             inner = where.iteration("while", i)
-            (go,), _ = self.run(cond.jaxpr, cond.consts, [*cond_consts, *carry], inner,
-                                [*cond_o, *carry_o])
+            (go,), _ = self.eval_jaxpr(cond.jaxpr, cond.consts, [*cond_consts, *carry],
+                                       inner, [*cond_o, *carry_o])
             if not bool(go):
                 return carry, carry_o
-            carry, carry_o = self.run(body.jaxpr, body.consts, [*body_consts, *carry], inner,
-                                      [*body_o, *carry_o])
+            carry, carry_o = self.eval_jaxpr(body.jaxpr, body.consts, [*body_consts, *carry],
+                                             inner, [*body_o, *carry_o])
             i += 1
 
 
@@ -297,7 +292,7 @@ def _dot_general(eqn: Any, origins: list[Any], shape: tuple[int, ...]) -> Any:
     return came
 
 
-def all_finite(x: Any) -> bool:
+def finite_on_host(x: Any) -> bool:
     """Whether every entry of a floating array is finite (read on the host: an eager
     ``jnp`` test would compile once per shape, the bulk of a first run's time)."""
     try:
@@ -309,28 +304,17 @@ def all_finite(x: Any) -> bool:
 def arguments(xs: Sequence[Any]) -> list[Any]:
     """The origins of a jaxpr's arguments: :data:`ARGUMENT` at their non-finite entries."""
     return [jnp.where(jnp.isfinite(x), FINITE, ARGUMENT).astype(jnp.int32)
-            if is_float(x) and not all_finite(x) else None for x in xs]
+            if is_float(x) and not finite_on_host(x) else None for x in xs]
+
+
+def origin_ids(origin: Any) -> set[int]:
+    """The equations whose non-finite values an origin array carries (none for ``None``)."""
+    if origin is None:
+        return set()
+    return set(np.unique(np.asarray(origin)).tolist()) - {FINITE}
 
 
 def is_float(x: Any) -> bool:
     """Whether ``x`` is an array of a floating (real or complex) dtype."""
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
 
-
-def scopes(name_stack: Any) -> list[str]:
-    """The scope names of a name stack (module paths, ``named_scope``), transforms dropped."""
-    return [entry.name for entry in name_stack.stack
-            if type(entry).__name__ == "Scope"]
-
-
-def user_frame(eqn: Any, skip: Sequence[str]) -> Any:
-    """The innermost frame of ``eqn``'s traceback outside JAX and the ``skip`` directories."""
-    for frame in source_info_util.user_frames(eqn.source_info.traceback):
-        if not frame.file_name.startswith(tuple(skip)):
-            return frame
-    return None
-
-
-def as_jax_values(xs: Sequence[Any]) -> list[Any]:
-    """Literals come as Python or numpy scalars: make every value an array."""
-    return [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in xs]

@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax._src import source_info_util
 
+from loss_scaling._errors import show
 from loss_scaling.core import scalers, tree
 from loss_scaling.debug import _interpret
 from loss_scaling.debug._interpret import Fresh, Visitor, Where
@@ -34,7 +36,7 @@ from loss_scaling.lookup import get_loss_scale
 SCALE_SCOPE = "loss_scaling.scale"  # the scope of the loss-times-scale multiplication
 
 BAD_SCALE = (
-    "scale={value!r}: pass a positive finite number, a loss-scale state, or None (the "
+    "scale={value}: pass a positive finite number, a loss-scale state, or None (the "
     "scale held by the first argument, else 1)."
 )
 NO_ARGUMENTS = (
@@ -42,8 +44,6 @@ NO_ARGUMENTS = (
     "the model) first, e.g. `ls.find_overflow(loss_fn, params, batch)`, optionally preceded "
     "by the optimizer (or opt_state / TrainState) that holds the loss scale."
 )
-
-
 TRACED = (
     "find_overflow / float16_report got a traced value ({what}): they run eagerly, one "
     "primitive at a time, on concrete arrays. Call them outside jit / grad / vmap, next "
@@ -63,9 +63,14 @@ class Problem:
     has_aux: bool
 
 
+    @property
+    def scale(self) -> float:
+        """The loss scale as a Python float."""
+        return float(self.scaler.loss_scale)
+
+
 def _held_scale(first: Any) -> Any:
-    if isinstance(first, (scalers.NoOpLossScale, scalers.StaticLossScale,
-                          scalers.DynamicLossScale)):
+    if isinstance(first, scalers.SCALER_TYPES):
         return first
     if isinstance(first, jax.Array) or not jax.tree.leaves(first):
         return None
@@ -105,21 +110,15 @@ def problem(loss_fn: Callable[..., Any], args: tuple[Any, ...], scale: Any,
 def _scaler(scale: Any, held: Any) -> Any:
     if scale is None:
         return held if held is not None else scalers.NoOpLossScale()
-    if isinstance(scale, (scalers.NoOpLossScale, scalers.StaticLossScale,
-                          scalers.DynamicLossScale)):
+    if isinstance(scale, scalers.SCALER_TYPES):
         return scale
     try:
         value = float(scale)
     except (TypeError, ValueError):
-        raise TypeError(BAD_SCALE.format(value=scale)) from None
-    if not (value > 0 and jnp.isfinite(value)):
-        raise ValueError(BAD_SCALE.format(value=scale))
+        raise TypeError(BAD_SCALE.format(value=show(scale))) from None
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(BAD_SCALE.format(value=show(scale)))
     return scalers.StaticLossScale(value)
-
-
-def scale_value(p: Problem) -> float:
-    """The loss scale as a Python float."""
-    return float(p.scaler.loss_scale)
 
 
 def _split(p: Problem) -> tuple[list[Any], Callable[[list[Any]], tuple[Any, ...]], Any]:
@@ -135,21 +134,21 @@ def _split(p: Problem) -> tuple[list[Any], Callable[[list[Any]], tuple[Any, ...]
             others = [nnx.as_pure(other) for other in others]
             leaves, treedef = jax.tree.flatten(nnx.as_pure(diff))
 
-            def rebuild_nnx(xs: list[Any]) -> tuple[Any, ...]:
+            def nnx_arguments(xs: list[Any]) -> tuple[Any, ...]:
                 state = jax.tree.unflatten(treedef, xs)
                 return (nnx.merge(graphdef, state, *others), *rest)
 
-            return leaves, rebuild_nnx, _nnx_modules
+            return leaves, nnx_arguments, _nnx_modules
     leaves, treedef = jax.tree.flatten(first)
     diff_at = [i for i, x in enumerate(leaves) if _interpret.is_float(x)]
 
-    def rebuild(xs: list[Any]) -> tuple[Any, ...]:
+    def arguments(xs: list[Any]) -> tuple[Any, ...]:
         full = list(leaves)
         for i, x in zip(diff_at, xs, strict=True):
             full[i] = x
         return (jax.tree.unflatten(treedef, full), *rest)
 
-    return [leaves[i] for i in diff_at], rebuild, _eqx_modules
+    return [leaves[i] for i in diff_at], arguments, _eqx_modules
 
 
 def _nnx_modules(root: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -171,16 +170,9 @@ def _eqx_modules(root: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tupl
         root, is_leaf=lambda x: x is not root and isinstance(x, eqx.Module))[0]
     for path, child in children:
         if isinstance(child, eqx.Module):
-            keys = (*prefix, *(_key(k) for k in path))
+            keys = (*prefix, *(jax.tree_util.keystr((k,), simple=True) for k in path))
             yield keys, child
             yield from _eqx_modules(child, keys)
-
-
-def _key(entry: Any) -> Any:
-    for attribute in ("name", "key", "idx"):
-        if hasattr(entry, attribute):
-            return getattr(entry, attribute)
-    return str(entry)
 
 
 Walker = Callable[[Any], Iterator[tuple[tuple[Any, ...], Any]]]
@@ -238,17 +230,17 @@ def _module_scopes(root: Any, walk: Walker) -> Iterator[None]:
 def scaled_loss_fn(p: Problem, scopes: bool = True) -> tuple[
         list[Any], Callable[[list[Any], Any], Any]]:
     """The differentiated leaves, and the loss times a scaler as a function of them."""
-    leaves, rebuild, walk = _split(p)
+    leaves, arguments, walk = _split(p)
 
-    def scaled_loss(xs: list[Any], scaler: Any) -> Any:
-        args = rebuild(xs)
+    def loss_times_scale(xs: list[Any], scaler: Any) -> Any:
+        args = arguments(xs)
         with _module_scopes(args[0], walk) if scopes else contextlib.nullcontext():
             out = p.loss_fn(*args)
         loss = out[0] if p.has_aux else out
         with jax.named_scope(SCALE_SCOPE):
             return tree.scale(scaler, loss)
 
-    return leaves, scaled_loss
+    return leaves, loss_times_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,14 +252,10 @@ class Outcome:
 
     def reaching(self) -> set[int]:
         """The ids of the equations whose non-finite values reach the loss or a gradient."""
-        ids: set[int] = set()
-        for o in (self.loss, *self.grads):
-            if o is not None:
-                ids.update(int(i) for i in np.unique(np.asarray(o)) if i != _interpret.FINITE)
-        return ids
+        return set().union(*map(_interpret.origin_ids, (self.loss, *self.grads)))
 
 
-def run(p: Problem, visit: Visitor, fresh: Fresh) -> Outcome:
+def interpret_step(p: Problem, visit: Visitor, fresh: Fresh) -> Outcome:
     """Interprets the forward pass, then the backward pass of the scaled loss.
 
     Origins flow from the forward pass into the backward pass through the residuals.
@@ -276,14 +264,14 @@ def run(p: Problem, visit: Visitor, fresh: Fresh) -> Outcome:
     forward, shape = jax.make_jaxpr(
         lambda xs: jax.vjp(lambda ys: scaled(ys, p.scaler), xs), return_shape=True)(leaves)
     interpreter = _interpret.Interpreter(visit, fresh)
-    outs, origins = interpreter.run(
+    outs, origins = interpreter.eval_jaxpr(
         forward.jaxpr, forward.consts, leaves, Where("forward"),
         _interpret.arguments(leaves), _interpret.arguments(forward.consts))
     loss, vjp = jax.tree.unflatten(jax.tree.structure(shape), outs)
     n_loss = len(jax.tree.leaves(loss))
     cotangent = jnp.ones_like(loss)
     backward = jax.make_jaxpr(lambda vjp: vjp(cotangent))(vjp)
-    _, grad_origins = interpreter.run(backward.jaxpr, backward.consts, jax.tree.leaves(vjp),
+    _, grad_origins = interpreter.eval_jaxpr(backward.jaxpr, backward.consts, jax.tree.leaves(vjp),
                                       Where("backward"), origins[n_loss:])
     return Outcome(origins[0], grad_origins)
 
@@ -299,3 +287,11 @@ def library_dirs() -> list[str]:
         if path:
             dirs.append(os.path.dirname(path) + os.sep)
     return dirs
+
+
+def user_frame(eqn: Any, skip: Sequence[str]) -> Any:
+    """The innermost frame of ``eqn``'s traceback outside JAX and the ``skip`` directories."""
+    for frame in source_info_util.user_frames(eqn.source_info.traceback):
+        if not frame.file_name.startswith(tuple(skip)):
+            return frame
+    return None

@@ -152,7 +152,7 @@ def find_overflow(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
     """
     p = _trace.problem(loss_fn, args, scale, has_aux)
     skip = _trace.library_dirs()
-    scale_value = _trace.scale_value(p)
+    scale_value = p.scale
     records: dict[int, OverflowReport] = {}
 
     def fresh(eqn: Any, invals: Sequence[Any], out: Any, where: Where) -> int:
@@ -163,7 +163,7 @@ def find_overflow(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
     def visit(*_: Any) -> None:
         pass
 
-    outcome = _trace.run(p, visit, fresh)
+    outcome = _trace.interpret_step(p, visit, fresh)
     reaching = outcome.reaching()
     notes = [f"{r.phase} {r.primitive} -> {r.dtype}{list(r.shape or ())} in "
              f"{r.layer or '(top level)'} at {r.file}:{r.line}: masked or selected away"
@@ -173,8 +173,8 @@ def find_overflow(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
     if not reaching:
         return OverflowReport(found=False, scale=scale_value, notes=tuple(notes))
     first = min(reaching)
-    in_loss = _holds(outcome.loss, first)
-    in_grads = any(_holds(o, first) for o in outcome.grads)
+    in_loss = first in _interpret.origin_ids(outcome.loss)
+    in_grads = any(first in _interpret.origin_ids(o) for o in outcome.grads)
     reaches = " and ".join(n for n, b in (("loss", in_loss), ("gradients", in_grads)) if b)
     if first == _interpret.ARGUMENT:
         return OverflowReport(found=True, scale=scale_value, phase="forward",
@@ -183,21 +183,17 @@ def find_overflow(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
     return dataclasses.replace(records[first], reaches=reaches, notes=tuple(notes))
 
 
-def _holds(origin: Any, key: int) -> bool:
-    return origin is not None and bool(np.any(np.asarray(origin) == key))
-
-
 def _describe(eqn: Any, invals: Sequence[Any], out: Any, where: Where,
               skip: Sequence[str], scale: float) -> OverflowReport:
     floats = [jnp.asarray(x) for x in invals if _interpret.is_float(x)]
     finite = [jnp.where(jnp.isfinite(x), jnp.abs(x), 0) for x in floats if x.size]
-    frame = _interpret.user_frame(eqn, skip)
+    frame = _trace.user_frame(eqn, skip)
     return OverflowReport(
         found=True, scale=scale, phase=where.phase,
         primitive=eqn.primitive.name,
         file=frame.file_name if frame else None, line=frame.start_line if frame else None,
         function=frame.function_name if frame else None,
-        layer="/".join(_interpret.scopes(where.name_stack)),
+        layer="/".join(where.scopes),
         name_stack=str(where.name_stack), dtype=str(out.dtype), shape=tuple(out.shape),
         max_finite_input=max((float(jnp.max(x)) for x in finite), default=None),
         inputs_finite=all(bool(jnp.all(jnp.isfinite(x))) for x in floats),

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +23,6 @@ F16_TINY = float(np.finfo(np.float16).tiny)  # 2**-14, the smallest normal
 NARROW = ("float16", "bfloat16")
 # The powers of two the verdict tries: from float16's smallest normal to float32's largest.
 EXPONENTS = range(-14, 128)
-# Saturated values (a ``jnp.finfo(dtype).min`` mask fill) are masks, not activations.
-_FILLS = tuple(float(np.finfo(d).max) for d in (np.float16, np.float32, np.float64)) + (
-    float(jnp.finfo(jnp.bfloat16).max),)
 
 
 def headroom(magnitude: float, limit: float = F16_MAX) -> float:
@@ -181,7 +178,7 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
     """
     p = _trace.problem(loss_fn, args, scale, has_aux)
     skip = _trace.library_dirs()
-    records: list[tuple[str, str, str, str, str, Any, Any]] = []
+    values: list[_Value] = []
     count = iter(range(_interpret.ARGUMENT + 1, 2**31 - 1))
 
     def fresh(*_: Any) -> int:
@@ -189,34 +186,29 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
 
     def visit(eqn: Any, invals: Sequence[Any], outvals: Sequence[Any], where: Where,
               origins: Sequence[Any]) -> None:
-        names = _interpret.scopes(where.name_stack)
-        if _trace.SCALE_SCOPE in names:
+        if _trace.SCALE_SCOPE in where.scopes:
             return
-        frame = _interpret.user_frame(eqn, skip)
+        frame = _trace.user_frame(eqn, skip)
         source = (f"{os.path.basename(frame.file_name)}:{frame.start_line} "
                   f"({frame.function_name})") if frame else "?"
         for out, origin in zip(outvals, origins, strict=True):
             if _interpret.is_float(out) and out.size:
-                records.append(("/".join(names) or source, where.phase, eqn.primitive.name,
-                                source, str(out.dtype), _reduce(out), origin))
+                values.append(_Value("/".join(where.scopes) or source, where.phase,
+                                     eqn.primitive.name, source, str(out.dtype),
+                                     *_magnitudes(out), _interpret.origin_ids(origin)))
 
-    outcome = _trace.run(p, visit, fresh)
-    reaching = outcome.reaching()
-    hypothetical = not any(r[1] == "forward" and r[4] in NARROW for r in records)
-    stats = [r[5] for r in records]
-    scale_value = _trace.scale_value(p)
+    reaching = _trace.interpret_step(p, visit, fresh).reaching()
+    hypothetical = not any(v.phase == "forward" and v.dtype in NARROW for v in values)
     notes = []
-    masked = sum(1 for r in records if r[6] is not None
-                 and not reaching & set(np.unique(np.asarray(r[6])).tolist()))
+    masked = sum(1 for v in values if v.origins and not v.origins & reaching)
     if masked:
         notes.append(f"{masked} values held inf/NaN that reach neither the loss nor a "
                      "gradient (masked away): left out")
-    fills = sum(int(s[3]) for s in stats)
+    fills = sum(v.fills for v in values)
     if fills:
         notes.append(f"{fills} saturated entries (at their dtype's largest magnitude, as a "
                      "finfo.min mask fill is): left out")
-    table = _table([(*r[:5], s, r[6]) for r, s in zip(records, stats, strict=True)],
-                   scale_value, reaching, hypothetical)
+    table = _table(values, p.scale, reaching, hypothetical)
     if hypothetical:
         return dataclasses.replace(table, notes=tuple(notes))
     max_scale = largest_finite_scale(p)
@@ -224,45 +216,58 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
                                notes=tuple(notes))
 
 
-_F32_FILLS = np.array(sorted({min(v, float(np.finfo(np.float32).max)) for v in _FILLS}),
-                      np.float32)
+class _Value(NamedTuple):
+    """One floating output of one equation, reduced on the host as it was computed."""
+
+    layer: str
+    phase: str
+    op: str
+    source: str
+    dtype: str
+    top: float  # the largest finite magnitude that is not a mask fill
+    small: int  # nonzero entries below float16's smallest normal
+    zero: int
+    fills: int  # entries at a dtype's largest magnitude (a finfo.min mask fill)
+    size: int
+    origins: set[int]  # the equations whose inf/NaN it carries
 
 
-def _reduce(x: Any) -> tuple[float, int, int, int, int]:
-    """The finite maximum, the small entries, the zeros, the saturated ones, the size.
+# Saturated values (a ``jnp.finfo(dtype).min`` mask fill) are masks, not activations.
+_FILLS = np.array([F16_MAX, jnp.finfo(jnp.bfloat16).max, np.finfo(np.float32).max], np.float32)
+
+
+def _magnitudes(x: Any) -> tuple[float, int, int, int, int]:
+    """``_Value``'s top, small, zero, fills and size.
 
     Read on the host (an eager or jitted reduction would compile once per shape and
     dtype, the bulk of a first run's time). Non-finite entries count as none of these
-    (whether they matter is known at the end of the run); saturated entries (a dtype's
-    largest magnitude: a mask fill) are counted apart.
+    (whether they matter is known at the end of the run).
     """
     magnitude = np.abs(np.asarray(x)).astype(np.float32)
-    fill = np.isin(magnitude, _F32_FILLS)
-    finite = np.isfinite(magnitude) & ~fill
-    kept = magnitude[finite]
+    fill = np.isin(magnitude, _FILLS)
+    kept = magnitude[np.isfinite(magnitude) & ~fill]
     top = float(kept.max()) if kept.size else 0.0
     small = int(np.count_nonzero((kept > 0) & (kept < F16_TINY)))
     return top, small, int(np.count_nonzero(kept == 0)), int(np.count_nonzero(fill)), x.size
 
 
-def _table(records: list[tuple[str, str, str, str, str, Any, Any]], scale: float,
-           reaching: set[int], hypothetical: bool) -> Float16Report:
+def _table(values: list[_Value], scale: float, reaching: set[int],
+           hypothetical: bool) -> Float16Report:
     layers: dict[str, dict[str, Any]] = {}
-    for layer, phase, op, source, dtype, (top, small, zero, _, size), origin in records:
-        limit = F16_MAX if hypothetical else float(jnp.finfo(dtype).max)
-        top = float(top)
-        if origin is not None and reaching & set(np.unique(np.asarray(origin)).tolist()):
-            top = math.inf  # a non-finite value that reaches the loss or a gradient
+    for v in values:
+        limit = F16_MAX if hypothetical else float(jnp.finfo(v.dtype).max)
+        # a non-finite value that reaches the loss or a gradient
+        top = math.inf if v.origins & reaching else v.top
         room = headroom(top, limit)
-        row = layers.setdefault(layer, {"forward": (math.inf, 0.0, "", ""),
-                                        "backward": (math.inf, 0.0, "", ""),
-                                        "small": 0, "zero": 0, "size": 0})
-        if room < row[phase][0] or not row[phase][2]:
-            row[phase] = (room, top, f"{op} {_short(dtype)}", source)
-        if phase == "backward" and (hypothetical or dtype in NARROW):
-            row["small"] += int(small)
-            row["zero"] += int(zero)
-            row["size"] += int(size)
+        row = layers.setdefault(v.layer, {"forward": (math.inf, 0.0, "", ""),
+                                          "backward": (math.inf, 0.0, "", ""),
+                                          "small": 0, "zero": 0, "size": 0})
+        if room < row[v.phase][0] or not row[v.phase][2]:
+            row[v.phase] = (room, top, f"{v.op} {v.dtype.replace('float', 'f')}", v.source)
+        if v.phase == "backward" and (hypothetical or v.dtype in NARROW):
+            row["small"] += v.small
+            row["zero"] += v.zero
+            row["size"] += v.size
     rows = [_row(layer, row) for layer, row in layers.items()]
     rows.sort(key=lambda r: r.headroom)
     tightest = min((r.backward_headroom for r in rows if r.backward_max > 0), default=None)
@@ -270,11 +275,6 @@ def _table(records: list[tuple[str, str, str, str, str, Any, Any]], scale: float
     if tightest is not None and math.isfinite(tightest):
         table_scale = scale * 2.0 ** math.floor(tightest)
     return Float16Report(tuple(rows), scale, None, None, table_scale, hypothetical)
-
-
-def _short(dtype: str) -> str:
-    return {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}.get(
-        dtype, dtype)
 
 
 def _row(layer: str, row: dict[str, Any]) -> LayerHeadroom:
