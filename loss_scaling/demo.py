@@ -59,10 +59,8 @@ GROWTH_INTERVAL = 100  # not the default 2000, so that a short run shows the sca
 # ----------------------------------------------------------------------------- data
 
 
-def make_spirals(
-    n: int, *, seed: int, split: int = 0, classes: int = NUM_CLASSES,
-    turns: float = 0.75, noise: float = 0.2,
-) -> tuple[np.ndarray, np.ndarray]:
+def make_spirals(n: int, *, seed: int, split: int = 0, classes: int = NUM_CLASSES,
+                 turns: float = 0.75, noise: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
     """Interleaved noisy spiral arms in 2-D, one per class: ``(x float32 [n, 2], y int32 [n])``.
 
     Deterministic in ``(seed, split)``; use ``split=0`` for training, ``1`` for testing.
@@ -110,11 +108,6 @@ class Mode:
     description: str
     dtype: Any
     make_scaler: Callable[[], ls.LossScale]
-
-    @property
-    def dynamic(self) -> bool:
-        """Whether this mode's loss scale is a ``DynamicLossScale``."""
-        return isinstance(self.make_scaler(), ls.DynamicLossScale)
 
 
 MODES: tuple[Mode, ...] = (
@@ -184,12 +177,12 @@ def evaluate(model: MLP, params: Any, x: Any, y: Any) -> tuple[float, float]:
     """``(mean cross-entropy, accuracy in [0, 1])`` of ``model`` at ``params`` on ``(x, y)``."""
 
     @jax.jit
-    def metrics(params: Any, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def loss_and_accuracy(params: Any, x: jax.Array, y: jax.Array) -> tuple[Any, Any]:
         logits = _apply(model, params, x)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
         return loss.mean(), (jnp.argmax(logits, -1) == y).mean()
 
-    loss, accuracy = metrics(params, jnp.asarray(x), jnp.asarray(y))
+    loss, accuracy = loss_and_accuracy(params, jnp.asarray(x), jnp.asarray(y))
     return float(loss), float(accuracy)
 
 
@@ -225,14 +218,8 @@ def _train_and_test_data(seed: int) -> tuple[Any, ...]:
             *make_spirals(NUM_EXAMPLES, seed=seed, split=1))
 
 
-def train(
-    mode: Mode,
-    *,
-    steps: int = DEFAULT_STEPS,
-    seed: int = DEFAULT_SEED,
-    progress: bool = True,
-    data: tuple[Any, Any, Any, Any] | None = None,
-) -> RunResult:
+def train(mode: Mode, *, steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED,
+          progress: bool = True, data: tuple[Any, Any, Any, Any] | None = None) -> RunResult:
     """Trains the model in one mode, full batch, for ``steps`` steps; returns a RunResult.
 
     Args:
@@ -284,22 +271,14 @@ def train(
         loss_scales=np.array([s.loss_scale for s in history], np.float32),
         finite=np.array([s.finite for s in history], bool),
         zero_fractions=np.array([s.zero_fraction for s in history], np.float32),
-        test_loss=test_loss,
-        test_accuracy=test_accuracy,
-        final_scale=float(summary["loss_scale"]),
-        skipped_steps=int(summary["skipped_steps"]),
+        test_loss=test_loss, test_accuracy=test_accuracy,
+        final_scale=float(summary["loss_scale"]), skipped_steps=int(summary["skipped_steps"]),
         seconds_per_step=seconds_per_step if steps > 1 else compile_seconds,
-        compile_seconds=compile_seconds,
-        params=params,
-    )
+        compile_seconds=compile_seconds, params=params)
 
 
-def run(
-    steps: int = DEFAULT_STEPS,
-    seed: int = DEFAULT_SEED,
-    progress: bool = True,
-    modes: Sequence[Mode] = MODES,
-) -> list[RunResult]:
+def run(steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED, progress: bool = True,
+        modes: Sequence[Mode] = MODES) -> list[RunResult]:
     """Trains every mode on the same data from the same initialisation."""
     data = _train_and_test_data(seed)
     return [train(mode, steps=steps, seed=seed, progress=progress, data=data) for mode in modes]
@@ -391,7 +370,7 @@ def draw_results(results: Sequence[RunResult], axes: Sequence[Any]) -> None:
                 ylim=(-3, 100))
     ax_zero.legend(fontsize=8)
 
-    scaled = [r for r in results if r.mode.dynamic]
+    scaled = [r for r in results if isinstance(r.mode.make_scaler(), ls.DynamicLossScale)]
     for r in scaled:
         steps = np.arange(1, len(r.loss_scales) + 1)
         color = _COLORS.get(r.mode.name)

@@ -1,32 +1,12 @@
-"""An eager jaxpr interpreter that follows every non-finite value to where it ends up.
+"""An eager jaxpr interpreter that keeps, per inf/NaN entry, the equation it came from.
 
-``jax.core.eval_jaxpr`` semantics (``eqn.primitive.bind(*invals, **bind_params)`` under
-the equation's context), except that the higher-order primitives are interpreted rather than
-bound: ``jit`` / ``closed_call``, ``checkpoint`` (``remat``), ``custom_jvp_call`` /
-``custom_vjp_call`` (their primal function), ``cond`` (the taken branch), and ``scan`` /
-``while`` one iteration at a time, so that a visitor sees the equations of the iteration
-where something first goes wrong. Any other primitive (``shard_map``, callbacks) is bound
-as a whole and shown as one equation.
-
-**Origins.** Beside each value the interpreter keeps, for a value with inf or NaN entries,
-an int32 array of its shape: per entry, the earliest equation (an id from
-:class:`Origins`, in execution order) whose non-finite output that entry carries, and
-:data:`FINITE` for finite entries. A leaf equation whose output has a non-finite entry
-gets it from its inputs' non-finite entries where it depends on one (see
-:func:`_propagate`), else the equation itself is the origin (a *fresh* non-finite: an
-overflow, ``log(0)``, ``0/0``). The rule is driven by the values, never by a list of
-"masking" operations: a ``where`` / ``select_n`` that picks the finite branch, a
-``max`` against a finite operand, ``exp(-inf) = 0``, or a reduction whose result stays
-finite all give finite outputs, and a finite entry carries no origin. So an equation is
-reported only when its non-finite output reaches the loss or a gradient
-(``loss_scaling.debug.overflow``). Dependence is tracked entry by entry through
-elementwise operations, data movement (transpose, reshape, slices, gathers, ``select_n``),
-reductions, cumulative operations and ``dot_general``; any other primitive passes the
-earliest origin among all of its inputs to every non-finite output entry (it can only
-name an equation too early, never one later than the first that matters).
-
-The primitive names and parameter keys are JAX internals; tests/test_overflow.py pins
-each one, so that a JAX release that renames one fails there and not silently.
+``jax.core.eval_jaxpr``, with ``jit``, ``checkpoint``, ``custom_jvp`` / ``custom_vjp``,
+``cond`` (the taken branch), ``scan`` and ``while`` (an iteration at a time) interpreted;
+any other primitive is bound whole. Beside each value with inf/NaN entries it keeps an
+int32 *origin* array of its shape: per entry, the id of the earliest equation whose new
+inf/NaN the entry carries (:data:`FINITE` where it is finite), so that a value masked
+away before the loss or a gradient is told from one that reaches them. :func:`_propagate`
+is the rule per primitive; README.md says why, and what the interpreter cannot see.
 """
 
 from __future__ import annotations

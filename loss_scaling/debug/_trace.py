@@ -1,16 +1,8 @@
-"""The scaled loss of one batch, forward and backward, run through the interpreter.
+"""One step's scaled loss, forward then backward, run through the interpreter.
 
-What is differentiated follows each recipe: an ``nnx`` Module argument by the optimizer's
-``wrt`` filter (``nnx.Param`` without an optimizer), anything else (linen / plain params,
-an Equinox module) by its floating-point array leaves. The forward pass is the jaxpr of
-``jax.vjp`` of the scaled loss (its outputs: the scaled loss and the residuals); the
-backward pass is the jaxpr of the returned VJP applied to a cotangent of one. Each is
-interpreted on its own, so every equation is known to be forward or backward.
-
-flax ``nnx`` and Equinox put no module paths into JAX's name stack (linen does): while the
-loss is traced, each of their Modules' ``__call__`` runs inside a ``jax.named_scope`` of
-its attribute path (``blocks.0`` then ``lin``), and the classes are restored afterwards.
-A Module that the trace creates (inside ``nnx.scan``) is scoped by its class name.
+The arguments and what is differentiated follow each recipe (``ls.value_and_grad``'s
+conventions); nnx and Equinox Modules get ``jax.named_scope``s of their attribute paths
+while the loss is traced, as linen's are; see README.md.
 """
 
 from __future__ import annotations
@@ -20,7 +12,7 @@ import dataclasses
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -62,7 +54,6 @@ class Problem:
     wrt: Any
     has_aux: bool
 
-
     @property
     def scale(self) -> float:
         """The loss scale as a Python float."""
@@ -80,14 +71,6 @@ def _held_scale(first: Any) -> Any:
         return None
 
 
-def _is_nnx_optimizer(x: Any) -> bool:
-    if "flax.nnx" not in sys.modules:
-        return False
-    from flax import nnx
-
-    return isinstance(x, nnx.Optimizer)
-
-
 def problem(loss_fn: Callable[..., Any], args: tuple[Any, ...], scale: Any,
             has_aux: bool) -> Problem:
     """Splits off a leading holder of the loss scale and settles the scale to use."""
@@ -97,8 +80,8 @@ def problem(loss_fn: Callable[..., Any], args: tuple[Any, ...], scale: Any,
                                             for i, a in enumerate(args))):
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(value)):
             raise TypeError(TRACED.format(what=what))
-    held, wrt = _held_scale(args[0]), None
-    if _is_nnx_optimizer(args[0]):
+    held, wrt, nnx = _held_scale(args[0]), None, sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(args[0], nnx.Optimizer):
         wrt, args = args[0].wrt, args[1:]
     elif held is not None:
         args = args[1:]
@@ -123,22 +106,18 @@ def _scaler(scale: Any, held: Any) -> Any:
 
 def _split(p: Problem) -> tuple[list[Any], Callable[[list[Any]], tuple[Any, ...]], Any]:
     """The differentiated leaves, how to rebuild the arguments, and the module walker."""
-    first, rest = p.args[0], p.args[1:]
-    if "flax.nnx" in sys.modules:
-        from flax import nnx
+    first, rest, nnx = p.args[0], p.args[1:], sys.modules.get("flax.nnx")
+    if nnx is not None and nnx.graph.is_graph_node(first):
+        graphdef, diff, *others = nnx.split(first, p.wrt or nnx.Param, ...)
+        # Arrays, not the model's Variables: the copy merged inside the trace owns fresh
+        # ones, which BatchNorm and Dropout may write (the model is untouched).
+        others = [nnx.as_pure(other) for other in others]
+        leaves, treedef = jax.tree.flatten(nnx.as_pure(diff))
 
-        if nnx.graph.is_graph_node(first):
-            graphdef, diff, *others = nnx.split(first, p.wrt or nnx.Param, ...)
-            # Arrays, not the model's Variables: the copy merged inside the trace owns
-            # fresh ones, which BatchNorm and Dropout may write (the model is untouched).
-            others = [nnx.as_pure(other) for other in others]
-            leaves, treedef = jax.tree.flatten(nnx.as_pure(diff))
+        def nnx_arguments(xs: list[Any]) -> tuple[Any, ...]:
+            return (nnx.merge(graphdef, jax.tree.unflatten(treedef, xs), *others), *rest)
 
-            def nnx_arguments(xs: list[Any]) -> tuple[Any, ...]:
-                state = jax.tree.unflatten(treedef, xs)
-                return (nnx.merge(graphdef, state, *others), *rest)
-
-            return leaves, nnx_arguments, _nnx_modules
+        return leaves, nnx_arguments, _nnx_modules
     leaves, treedef = jax.tree.flatten(first)
     diff_at = [i for i, x in enumerate(leaves) if _interpret.is_float(x)]
 
@@ -271,27 +250,23 @@ def interpret_step(p: Problem, visit: Visitor, fresh: Fresh) -> Outcome:
     n_loss = len(jax.tree.leaves(loss))
     cotangent = jnp.ones_like(loss)
     backward = jax.make_jaxpr(lambda vjp: vjp(cotangent))(vjp)
-    _, grad_origins = interpreter.eval_jaxpr(backward.jaxpr, backward.consts, jax.tree.leaves(vjp),
-                                      Where("backward"), origins[n_loss:])
+    _, grad_origins = interpreter.eval_jaxpr(backward.jaxpr, backward.consts,
+                                             jax.tree.leaves(vjp), Where("backward"),
+                                             origins[n_loss:])
     return Outcome(origins[0], grad_origins)
 
 
-def library_dirs() -> list[str]:
-    """Directories whose frames are not the user's: the frameworks and this library."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # loss_scaling/
-    dirs = [os.path.join(package, "debug") + os.sep]
-    dirs += [os.path.join(package, name) for name in sorted(os.listdir(package))
-             if name.endswith(".py") and name != "demo.py"]  # the demo's model is user code
-    for name in ("flax", "equinox", "optax", "haiku", "chex"):
-        path = getattr(sys.modules.get(name), "__file__", None)
-        if path:
-            dirs.append(os.path.dirname(path) + os.sep)
-    return dirs
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_DEMO = os.path.join(_PACKAGE, "demo.py")  # the demo's model is user code
+_FRAMEWORKS = ("flax", "equinox", "optax", "haiku", "chex")
 
 
-def user_frame(eqn: Any, skip: Sequence[str]) -> Any:
-    """The innermost frame of ``eqn``'s traceback outside JAX and the ``skip`` directories."""
+def user_frame(eqn: Any) -> Any:
+    """The innermost frame of ``eqn``'s traceback outside JAX, the frameworks (flax,
+    Equinox, optax, ...) and this library: the user's line."""
+    files = (getattr(sys.modules.get(name), "__file__", None) for name in _FRAMEWORKS)
+    skip = (_PACKAGE, *(os.path.dirname(f) + os.sep for f in files if f))
     for frame in source_info_util.user_frames(eqn.source_info.traceback):
-        if not frame.file_name.startswith(tuple(skip)):
+        if frame.file_name == _DEMO or not frame.file_name.startswith(skip):
             return frame
     return None

@@ -6,7 +6,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from loss_scaling.debug import _interpret, _trace
@@ -151,13 +150,11 @@ def find_overflow(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
       False
     """
     p = _trace.problem(loss_fn, args, scale, has_aux)
-    skip = _trace.library_dirs()
-    scale_value = p.scale
     records: dict[int, OverflowReport] = {}
 
     def fresh(eqn: Any, invals: Sequence[Any], out: Any, where: Where) -> int:
         key = len(records) + _interpret.ARGUMENT + 1
-        records[key] = _describe(eqn, invals, out, where, skip, scale_value)
+        records[key] = _describe(eqn, invals, out, where, p.scale)
         return key
 
     def visit(*_: Any) -> None:
@@ -171,30 +168,30 @@ def find_overflow(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
     if len(notes) > _MAX_NOTES:
         notes = [*notes[:_MAX_NOTES], f"... and {len(notes) - _MAX_NOTES} more"]
     if not reaching:
-        return OverflowReport(found=False, scale=scale_value, notes=tuple(notes))
+        return OverflowReport(found=False, scale=p.scale, notes=tuple(notes))
     first = min(reaching)
     in_loss = first in _interpret.origin_ids(outcome.loss)
     in_grads = any(first in _interpret.origin_ids(o) for o in outcome.grads)
     reaches = " and ".join(n for n, b in (("loss", in_loss), ("gradients", in_grads)) if b)
     if first == _interpret.ARGUMENT:
-        return OverflowReport(found=True, scale=scale_value, phase="forward",
+        return OverflowReport(found=True, scale=p.scale, phase="forward",
                               inputs_finite=False, reaches=reaches, notes=tuple(notes),
                               equation=_ARGUMENT_TEXT)
     return dataclasses.replace(records[first], reaches=reaches, notes=tuple(notes))
 
 
 def _describe(eqn: Any, invals: Sequence[Any], out: Any, where: Where,
-              skip: Sequence[str], scale: float) -> OverflowReport:
-    floats = [jnp.asarray(x) for x in invals if _interpret.is_float(x)]
-    finite = [jnp.where(jnp.isfinite(x), jnp.abs(x), 0) for x in floats if x.size]
-    frame = _trace.user_frame(eqn, skip)
+              scale: float) -> OverflowReport:
+    """The report on an equation that made a new inf/NaN (its inputs read on the host)."""
+    magnitudes = [np.abs(np.asarray(x)).astype(np.float64)
+                  for x in invals if _interpret.is_float(x)]
+    frame = _trace.user_frame(eqn)
     return OverflowReport(
-        found=True, scale=scale, phase=where.phase,
-        primitive=eqn.primitive.name,
-        file=frame.file_name if frame else None, line=frame.start_line if frame else None,
-        function=frame.function_name if frame else None,
-        layer="/".join(where.scopes),
+        found=True, scale=scale, phase=where.phase, primitive=eqn.primitive.name,
+        file=frame and frame.file_name, line=frame and frame.start_line,
+        function=frame and frame.function_name, layer="/".join(where.scopes),
         name_stack=str(where.name_stack), dtype=str(out.dtype), shape=tuple(out.shape),
-        max_finite_input=max((float(jnp.max(x)) for x in finite), default=None),
-        inputs_finite=all(bool(jnp.all(jnp.isfinite(x))) for x in floats),
+        max_finite_input=max((float(np.where(np.isfinite(m), m, 0).max())
+                              for m in magnitudes if m.size), default=None),
+        inputs_finite=all(np.isfinite(m).all() for m in magnitudes),
         loops=where.loops, equation=str(eqn)[:_EQUATION_CHARS])

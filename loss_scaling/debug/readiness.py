@@ -177,7 +177,6 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
       (True, 64.0, 64.0)
     """
     p = _trace.problem(loss_fn, args, scale, has_aux)
-    skip = _trace.library_dirs()
     values: list[_Value] = []
     count = iter(range(_interpret.ARGUMENT + 1, 2**31 - 1))
 
@@ -188,7 +187,7 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
               origins: Sequence[Any]) -> None:
         if _trace.SCALE_SCOPE in where.scopes:
             return
-        frame = _trace.user_frame(eqn, skip)
+        frame = _trace.user_frame(eqn)
         source = (f"{os.path.basename(frame.file_name)}:{frame.start_line} "
                   f"({frame.function_name})") if frame else "?"
         for out, origin in zip(outvals, origins, strict=True):
@@ -286,33 +285,30 @@ def _row(layer: str, row: dict[str, Any]) -> LayerHeadroom:
                          row["small"] / size, row["zero"] / size, op, source)
 
 
-def finite_step(p: _trace.Problem) -> Callable[[float], bool]:
-    """Whether the real step, compiled once, gives a finite loss and gradients at a scale."""
-    leaves, scaled = _trace.scaled_loss_fn(p, scopes=False)
-    template = scalers.StaticLossScale(1.0)
-
-    @jax.jit
-    def finite(xs: list[Any], s: Any) -> Any:
-        scaler = jax.tree.map(lambda _: s, template)
-        loss, grads = jax.value_and_grad(lambda ys: scaled(ys, scaler))(xs)
-        return jnp.isfinite(loss) & tree.all_finite(grads)
-
-    return lambda s: bool(finite(leaves, jnp.float32(s)))
-
-
 def largest_finite_scale(p: _trace.Problem) -> float | None:
     """The largest power of two in :data:`EXPONENTS` at which the real step is finite.
 
-    Bisection: the step is taken to be finite at every power below one where it is
-    finite (cotangents grow with the scale). ``None`` when it is finite at none.
+    The step (``jax.value_and_grad`` of the loss times the scale) is compiled once and
+    bisected: finite at a power of two is taken as finite at every power below it
+    (cotangents grow with the scale). ``None`` when it is finite at none.
     """
-    finite = finite_step(p)
+    leaves, loss_times_scale = _trace.scaled_loss_fn(p, scopes=False)
+
+    @jax.jit
+    def finite_at(xs: list[Any], s: Any) -> Any:
+        scaler = jax.tree.map(lambda _: s, scalers.StaticLossScale(1.0))
+        loss, grads = jax.value_and_grad(lambda ys: loss_times_scale(ys, scaler))(xs)
+        return jnp.isfinite(loss) & tree.all_finite(grads)
+
+    def finite(exponent: int) -> bool:
+        return bool(finite_at(leaves, jnp.float32(2.0**exponent)))
+
     lo, hi = EXPONENTS[0], EXPONENTS[-1]
-    if finite(2.0**hi):
+    if finite(hi):
         return 2.0**hi
-    if not finite(2.0**lo):
+    if not finite(lo):
         return None
     while hi - lo > 1:  # finite at lo, not at hi
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if finite(2.0**mid) else (lo, mid)
+        lo, hi = (mid, hi) if finite(mid) else (lo, mid)
     return 2.0**lo
