@@ -85,27 +85,23 @@ class Interpreter:
     fresh: Fresh
 
     def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], where: Where,
-            origins: Sequence[Any] | None = None,
-            const_origins: Sequence[Any] | None = None) -> tuple[list[Any], list[Any]]:
+                   origins: Sequence[Any], const_origins: Sequence[Any] = ()
+                   ) -> tuple[list[Any], list[Any]]:
         """Evaluates ``jaxpr``; returns its outputs and their origins.
 
-        ``origins`` and ``const_origins`` are those of ``args`` and ``consts`` (default:
-        none; a literal never carries one).
+        ``origins`` and ``const_origins`` are those of ``args`` and ``consts`` (``None``
+        for a finite one; ``consts`` carry none by default, nor does a literal).
         """
-        env: dict[Any, Any] = {}
-        src: dict[Any, Any] = {}
+        env = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        src = dict(zip(jaxpr.invars, origins, strict=True))
+        src.update(zip(jaxpr.constvars, const_origins, strict=False))
 
         def read(v: Any) -> tuple[Any, Any]:
             if isinstance(v, jex.Literal):
                 return v.val, None
             return env[v], src.get(v)
 
-        env.update(zip(jaxpr.constvars, consts, strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-        if origins is not None:
-            src.update(zip(jaxpr.invars, origins, strict=True))
-        if const_origins is not None:
-            src.update(zip(jaxpr.constvars, const_origins, strict=True))
         for eqn in jaxpr.eqns:
             invals, inorigins = zip(*map(read, eqn.invars), strict=True) if eqn.invars else ((), ())
             with eqn.ctx.manager:
@@ -123,9 +119,10 @@ class Interpreter:
               where: Where) -> tuple[list[Any], list[Any]]:
         name = eqn.primitive.name
         if name in CALLS:
-            key = next(k for k in _JAXPR_KEYS if k in eqn.params)
-            jaxpr, consts = _open(eqn.params[key])
-            return self.eval_jaxpr(jaxpr, consts, invals, where, origins)
+            closed = eqn.params[next(k for k in _JAXPR_KEYS if k in eqn.params)]
+            if isinstance(closed, jex.ClosedJaxpr):
+                return self.eval_jaxpr(closed.jaxpr, closed.consts, invals, where, origins)
+            return self.eval_jaxpr(closed, (), invals, where, origins)
         if name == "cond":
             branch = eqn.params["branches"][int(invals[0])]
             return self.eval_jaxpr(branch.jaxpr, branch.consts, invals[1:], where, origins[1:])
@@ -202,12 +199,6 @@ class Interpreter:
             carry, carry_o = self.eval_jaxpr(body.jaxpr, body.consts, [*body_consts, *carry],
                                              inner, [*body_o, *carry_o])
             i += 1
-
-
-def _open(closed: Any) -> tuple[Any, Sequence[Any]]:
-    if isinstance(closed, jex.ClosedJaxpr):
-        return closed.jaxpr, closed.consts
-    return closed, ()
 
 
 def _full(origin: Any, like: Any) -> Any:

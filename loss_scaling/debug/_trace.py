@@ -32,15 +32,13 @@ BAD_SCALE = (
     "scale held by the first argument, else 1)."
 )
 NO_ARGUMENTS = (
-    "find_overflow / float16_report need loss_fn's arguments after it: the parameters (or "
-    "the model) first, e.g. `ls.find_overflow(loss_fn, params, batch)`, optionally preceded "
-    "by the optimizer (or opt_state / TrainState) that holds the loss scale."
+    "find_overflow / float16_report need loss_fn's arguments after it, the params (or "
+    "model) first, optionally preceded by what holds the loss scale (an optimizer, "
+    "opt_state, TrainState): `ls.find_overflow(loss_fn, params, batch)`."
 )
 TRACED = (
-    "find_overflow / float16_report got a traced value ({what}): they run eagerly, one "
-    "primitive at a time, on concrete arrays. Call them outside jit / grad / vmap, next "
-    "to the training loop, e.g. `ls.find_overflow(loss_fn, params, batch)` with the "
-    "step's params and batch."
+    "find_overflow / float16_report got a traced value ({what}): they run eagerly on "
+    "concrete arrays. Call them outside jit / grad / vmap, beside the training loop."
 )
 
 

@@ -252,37 +252,32 @@ def _magnitudes(x: Any) -> tuple[float, int, int, int, int]:
 
 def _table(values: list[_Value], scale: float, reaching: set[int],
            hypothetical: bool) -> Float16Report:
-    layers: dict[str, dict[str, Any]] = {}
+    def rated(v: _Value) -> tuple[float, float, _Value]:  # (headroom, max, value)
+        top = math.inf if v.origins & reaching else v.top  # it reaches the loss or a gradient
+        return headroom(top, F16_MAX if hypothetical else float(jnp.finfo(v.dtype).max)), top, v
+
+    by_layer: dict[str, list[_Value]] = {}
     for v in values:
-        limit = F16_MAX if hypothetical else float(jnp.finfo(v.dtype).max)
-        # a non-finite value that reaches the loss or a gradient
-        top = math.inf if v.origins & reaching else v.top
-        room = headroom(top, limit)
-        row = layers.setdefault(v.layer, {"forward": (math.inf, 0.0, "", ""),
-                                          "backward": (math.inf, 0.0, "", ""),
-                                          "small": 0, "zero": 0, "size": 0})
-        if room < row[v.phase][0] or not row[v.phase][2]:
-            row[v.phase] = (room, top, f"{v.op} {v.dtype.replace('float', 'f')}", v.source)
-        if v.phase == "backward" and (hypothetical or v.dtype in NARROW):
-            row["small"] += v.small
-            row["zero"] += v.zero
-            row["size"] += v.size
-    rows = [_row(layer, row) for layer, row in layers.items()]
+        by_layer.setdefault(v.layer, []).append(v)
+    rows = []
+    for layer, mine in by_layer.items():
+        (fwd_room, fwd, fwd_v), (bwd_room, bwd, bwd_v) = (
+            min((rated(v) for v in mine if v.phase == phase), key=lambda r: r[0],
+                default=(math.inf, 0.0, None)) for phase in ("forward", "backward"))
+        limiting = fwd_v if fwd_room <= bwd_room else bwd_v
+        flushed = [v for v in mine if v.phase == "backward" and (hypothetical or v.dtype in NARROW)]
+        size = max(sum(v.size for v in flushed), 1)
+        rows.append(LayerHeadroom(
+            layer, fwd, bwd, fwd_room, bwd_room, min(fwd_room, bwd_room),
+            sum(v.small for v in flushed) / size, sum(v.zero for v in flushed) / size,
+            f"{limiting.op} {limiting.dtype.replace('float', 'f')}" if limiting else "",
+            limiting.source if limiting else ""))
     rows.sort(key=lambda r: r.headroom)
     tightest = min((r.backward_headroom for r in rows if r.backward_max > 0), default=None)
     table_scale = None  # no backward values, or some already overflowed at this scale
     if tightest is not None and math.isfinite(tightest):
         table_scale = scale * 2.0 ** math.floor(tightest)
     return Float16Report(tuple(rows), scale, None, None, table_scale, hypothetical)
-
-
-def _row(layer: str, row: dict[str, Any]) -> LayerHeadroom:
-    (fwd_room, fwd, fwd_op, fwd_src), (bwd_room, bwd, bwd_op, bwd_src) = (row["forward"],
-                                                                          row["backward"])
-    op, source = (fwd_op, fwd_src) if fwd_room <= bwd_room else (bwd_op, bwd_src)
-    size = max(row["size"], 1)
-    return LayerHeadroom(layer, fwd, bwd, fwd_room, bwd_room, min(fwd_room, bwd_room),
-                         row["small"] / size, row["zero"] / size, op, source)
 
 
 def largest_finite_scale(p: _trace.Problem) -> float | None:
