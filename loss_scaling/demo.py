@@ -247,7 +247,6 @@ def train(mode: Mode, *, steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED,
     if bar is not None:
         bar.update(1)
     start = time.perf_counter()
-    shown = 1
     for done in range(2, steps + 1):
         params, opt_state, step_stats = train_step(params, opt_state, x_train, y_train)
         stats.append(step_stats)
@@ -255,8 +254,7 @@ def train(mode: Mode, *, steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED,
             # Reading the loss waits for the step: the bar shows real progress.
             bar.set_postfix_str(f"loss {float(step_stats.loss):.3f} "
                                 f"scale {float(step_stats.loss_scale):g}", refresh=False)
-            bar.update(done - shown)
-            shown = done
+            bar.update(done - bar.n)
     jax.block_until_ready(params)
     seconds_per_step = (time.perf_counter() - start) / max(steps - 1, 1)
     if bar is not None:
@@ -294,22 +292,19 @@ class _TextBar:
         self.total, self.desc, self.n, self.postfix = total, desc, 0, ""
         self.start = time.perf_counter()
 
-    def _draw(self, end: str = "") -> None:
-        done = int(30 * self.n / max(self.total, 1))
-        elapsed = time.perf_counter() - self.start
-        sys.stderr.write(f"\r{self.desc}: [{'#' * done}{'.' * (30 - done)}] "
-                         f"{self.n}/{self.total} {elapsed:5.1f}s {self.postfix}{end}")
-        sys.stderr.flush()
-
-    def update(self, n: int = 1) -> None:
+    def update(self, n: int = 1, end: str = "") -> None:
         self.n += n
-        self._draw()
+        done = int(30 * self.n / max(self.total, 1))
+        sys.stderr.write(f"\r{self.desc}: [{'#' * done}{'.' * (30 - done)}] "
+                         f"{self.n}/{self.total} {time.perf_counter() - self.start:5.1f}s "
+                         f"{self.postfix}{end}")
+        sys.stderr.flush()
 
     def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
         self.postfix = s
 
     def close(self) -> None:
-        self._draw(end="\n")
+        self.update(0, end="\n")
 
 
 def _progress_bar(total: int, desc: str) -> Any:
@@ -405,14 +400,11 @@ def save_figure(results: Sequence[RunResult], path: str | os.PathLike[str]) -> N
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m loss_scaling.demo",
-        description=(
-            "Train a deep sigmoid MLP on a generated 3-class spiral data set three times: "
-            "float32; float16 compute without loss scaling; float16 compute with "
-            "loss_scaling.DynamicLossScale. Prints a comparison table and saves a PNG of "
-            "the loss curves and the loss scale over time."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+        prog="python -m loss_scaling.demo", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a deep sigmoid MLP on generated 3-class spirals three times: "
+        "float32; float16 compute without loss scaling; float16 compute with "
+        "loss_scaling.DynamicLossScale. Prints a comparison table and saves a PNG of the "
+        "loss curves and the loss scale over time.")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                         help="optimizer steps per mode (full batch of "
                              f"{NUM_EXAMPLES} examples; the learning rate decays to 0 over them)")
@@ -435,8 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"(seed {args.seed}, jax {jax.__version__} on {jax.default_backend()}).", flush=True)
     start = time.perf_counter()
     results = run(steps=args.steps, seed=args.seed, progress=not args.no_progress)
-    print()
-    print(format_table(results))
+    print("\n" + format_table(results))
     print(f"\ntotal time {time.perf_counter() - start:.1f}s")
     try:
         save_figure(results, args.out)

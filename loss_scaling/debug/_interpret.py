@@ -12,7 +12,8 @@ is the rule per primitive; README.md says why, and what the interpreter cannot s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -69,12 +70,11 @@ class Where:
         return [e.name for e in self.name_stack.stack if type(e).__name__ == "Scope"]
 
 
-# visit(eqn, invals, outvals, where, out_origins) is called after each leaf equation ran;
-# out_origins[i] is None where outvals[i] is finite (or not floating).
+# visit(eqn, invals, outvals, where, out_origins) after each leaf equation (None: finite).
 Visitor = Callable[[Any, Sequence[Any], Sequence[Any], Where, Sequence[Any]], None]
-# fresh(eqn, invals, out, where) -> the id of a new origin, called once per equation
-# output that holds a non-finite entry none of its inputs gave it.
-Fresh = Callable[[Any, Sequence[Any], Any, Where], int]
+# fresh(id, eqn, invals, out, where) is called once per equation output that holds a
+# non-finite entry none of its inputs gave it: ``id`` is its origin (in execution order).
+Fresh = Callable[[int, Any, Sequence[Any], Any, Where], None]
 
 
 @dataclasses.dataclass
@@ -83,6 +83,7 @@ class Interpreter:
 
     visit: Visitor
     fresh: Fresh
+    ids: Iterator[int] = dataclasses.field(default_factory=lambda: itertools.count(ARGUMENT + 1))
 
     def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], where: Where,
                    origins: Sequence[Any], const_origins: Sequence[Any] = ()
@@ -142,13 +143,13 @@ class Interpreter:
         if not is_float(out) or finite_on_host(out):
             return None
         bad = ~jnp.isfinite(out)
-        if any(o is not None for o in origins):
-            came = _propagate(eqn, invals, origins, index, out)
-        else:
-            came = jnp.full(out.shape, FINITE, jnp.int32)
+        came = (_propagate(eqn, invals, origins, index, out) if any(o is not None for o in origins)
+                else jnp.full(out.shape, FINITE, jnp.int32))
         new = bad & (came == FINITE)
         if bool(jnp.any(new)):
-            came = jnp.where(new, jnp.int32(self.fresh(eqn, invals, out, where)), came)
+            key = next(self.ids)
+            self.fresh(key, eqn, invals, out, where)
+            came = jnp.where(new, jnp.int32(key), came)
         return jnp.where(bad, came, FINITE).astype(jnp.int32)
 
     def _scan(self, eqn: Any, invals: list[Any], origins: list[Any],
@@ -246,10 +247,9 @@ def _earliest(origins: list[Any], shape: tuple[int, ...]) -> Any:
 def _dot_general(eqn: Any, origins: list[Any], shape: tuple[int, ...]) -> Any:
     """Output (batch, lhs free, rhs free) depends on the rows and columns it contracts."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lhs, rhs = origins[0], origins[1]
     n_batch = len(lb)
     came = jnp.full(shape, FINITE, jnp.int32)
-    for o, contract, batch, first in ((lhs, lc, lb, True), (rhs, rc, rb, False)):
+    for o, contract, batch, first in ((origins[0], lc, lb, True), (origins[1], rc, rb, False)):
         if o is None:
             continue
         free = [d for d in range(o.ndim) if d not in contract and d not in batch]
@@ -266,10 +266,7 @@ def _dot_general(eqn: Any, origins: list[Any], shape: tuple[int, ...]) -> Any:
 def finite_on_host(x: Any) -> bool:
     """Whether every entry of a floating array is finite (read on the host: an eager
     ``jnp`` test would compile once per shape, the bulk of a first run's time)."""
-    try:
-        return bool(np.isfinite(np.asarray(x)).all())
-    except TypeError:  # a dtype numpy cannot test
-        return bool(jnp.all(jnp.isfinite(x)))
+    return bool(np.isfinite(np.asarray(x)).all())
 
 
 def arguments(xs: Sequence[Any]) -> list[Any]:

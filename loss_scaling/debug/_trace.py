@@ -44,18 +44,13 @@ TRACED = (
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """What to run: ``loss_fn``'s arguments, the scaler, and the nnx ``wrt`` filter."""
+    """What to run: the loss (without aux), its arguments, the scaler, nnx's ``wrt``."""
 
     loss_fn: Callable[..., Any]
     args: tuple[Any, ...]
     scaler: Any
+    scale: float  # the scaler's, as a Python float
     wrt: Any
-    has_aux: bool
-
-    @property
-    def scale(self) -> float:
-        """The loss scale as a Python float."""
-        return float(self.scaler.loss_scale)
 
 
 def _held_scale(first: Any) -> Any:
@@ -72,20 +67,21 @@ def _held_scale(first: Any) -> Any:
 def problem(loss_fn: Callable[..., Any], args: tuple[Any, ...], scale: Any,
             has_aux: bool) -> Problem:
     """Splits off a leading holder of the loss scale and settles the scale to use."""
-    if not args:
-        raise TypeError(NO_ARGUMENTS)
     for what, value in (("scale", scale), *((f"argument {i + 1}", a)
                                             for i, a in enumerate(args))):
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(value)):
             raise TypeError(TRACED.format(what=what))
-    held, wrt, nnx = _held_scale(args[0]), None, sys.modules.get("flax.nnx")
-    if nnx is not None and isinstance(args[0], nnx.Optimizer):
-        wrt, args = args[0].wrt, args[1:]
+    first = args[0] if args else None
+    held, wrt, nnx = _held_scale(first), None, sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(first, nnx.Optimizer):
+        wrt, args = first.wrt, args[1:]
     elif held is not None:
         args = args[1:]
     if not args:
         raise TypeError(NO_ARGUMENTS)
-    return Problem(loss_fn, args, _scaler(scale, held), wrt, has_aux)
+    loss = (lambda *a: loss_fn(*a)[0]) if has_aux else loss_fn
+    scaler = _scaler(scale, held)
+    return Problem(loss, args, scaler, float(scaler.loss_scale), wrt)
 
 
 def _scaler(scale: Any, held: Any) -> Any:
@@ -116,47 +112,36 @@ def _split(p: Problem) -> tuple[list[Any], Callable[[list[Any]], tuple[Any, ...]
             return (nnx.merge(graphdef, jax.tree.unflatten(treedef, xs), *others), *rest)
 
         return leaves, nnx_arguments, _nnx_modules
-    leaves, treedef = jax.tree.flatten(first)
-    diff_at = [i for i, x in enumerate(leaves) if _interpret.is_float(x)]
 
     def arguments(xs: list[Any]) -> tuple[Any, ...]:
-        full = list(leaves)
-        for i, x in zip(diff_at, xs, strict=True):
-            full[i] = x
-        return (jax.tree.unflatten(treedef, full), *rest)
+        new = iter(xs)  # in the order of jax.tree.leaves
+        return (jax.tree.map(lambda x: next(new) if _interpret.is_float(x) else x, first),
+                *rest)
 
-    return [leaves[i] for i in diff_at], arguments, _eqx_modules
+    return [x for x in jax.tree.leaves(first) if _interpret.is_float(x)], arguments, _eqx_modules
 
 
 def _nnx_modules(root: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    from flax import nnx
-
-    for path, node in nnx.iter_graph(root):
-        if isinstance(node, nnx.Module):
-            yield tuple(path), node
+    nnx = sys.modules["flax.nnx"]
+    yield from ((tuple(path), n) for path, n in nnx.iter_graph(root) if isinstance(n, nnx.Module))
 
 
 def _eqx_modules(root: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    if "equinox" not in sys.modules:
+    eqx = sys.modules.get("equinox")
+    if eqx is None:
         return
-    import equinox as eqx
-
     if not prefix and isinstance(root, eqx.Module):
         yield (), root
-    children = jax.tree_util.tree_flatten_with_path(
-        root, is_leaf=lambda x: x is not root and isinstance(x, eqx.Module))[0]
-    for path, child in children:
+    is_child = lambda x: x is not root and isinstance(x, eqx.Module)  # noqa: E731
+    for path, child in jax.tree_util.tree_flatten_with_path(root, is_leaf=is_child)[0]:
         if isinstance(child, eqx.Module):
             keys = (*prefix, *(jax.tree_util.keystr((k,), simple=True) for k in path))
             yield keys, child
             yield from _eqx_modules(child, keys)
 
 
-Walker = Callable[[Any], Iterator[tuple[tuple[Any, ...], Any]]]
-
-
 @contextlib.contextmanager
-def _module_scopes(root: Any, walk: Walker) -> Iterator[None]:
+def _module_scopes(root: Any, walk: Callable[[Any], Iterator[Any]]) -> Iterator[None]:
     """Each Module's ``__call__`` inside a named scope of its path, relative to its caller.
 
     A Module not reachable from ``root`` (one that ``nnx.scan`` merged in its body) is
@@ -212,28 +197,16 @@ def scaled_loss_fn(p: Problem, scopes: bool = True) -> tuple[
     def loss_times_scale(xs: list[Any], scaler: Any) -> Any:
         args = arguments(xs)
         with _module_scopes(args[0], walk) if scopes else contextlib.nullcontext():
-            out = p.loss_fn(*args)
-        loss = out[0] if p.has_aux else out
+            loss = p.loss_fn(*args)
         with jax.named_scope(SCALE_SCOPE):
             return tree.scale(scaler, loss)
 
     return leaves, loss_times_scale
 
 
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """The origins (see ``_interpret``) of the scaled loss and of the gradients."""
-
-    loss: Any
-    grads: list[Any]
-
-    def reaching(self) -> set[int]:
-        """The ids of the equations whose non-finite values reach the loss or a gradient."""
-        return set().union(*map(_interpret.origin_ids, (self.loss, *self.grads)))
-
-
-def interpret_step(p: Problem, visit: Visitor, fresh: Fresh) -> Outcome:
-    """Interprets the forward pass, then the backward pass of the scaled loss.
+def interpret_step(p: Problem, visit: Visitor, fresh: Fresh) -> tuple[Any, list[Any]]:
+    """Interprets the forward pass, then the backward pass of the scaled loss; returns the
+    origins (see ``_interpret``) of the scaled loss and of the gradients.
 
     Origins flow from the forward pass into the backward pass through the residuals.
     """
@@ -245,13 +218,17 @@ def interpret_step(p: Problem, visit: Visitor, fresh: Fresh) -> Outcome:
         forward.jaxpr, forward.consts, leaves, Where("forward"),
         _interpret.arguments(leaves), _interpret.arguments(forward.consts))
     loss, vjp = jax.tree.unflatten(jax.tree.structure(shape), outs)
-    n_loss = len(jax.tree.leaves(loss))
-    cotangent = jnp.ones_like(loss)
+    cotangent = jnp.ones_like(loss)  # a constant of the backward jaxpr, not an equation
     backward = jax.make_jaxpr(lambda vjp: vjp(cotangent))(vjp)
     _, grad_origins = interpreter.eval_jaxpr(backward.jaxpr, backward.consts,
                                              jax.tree.leaves(vjp), Where("backward"),
-                                             origins[n_loss:])
-    return Outcome(origins[0], grad_origins)
+                                             origins[1:])  # the residuals'
+    return origins[0], grad_origins
+
+
+def reaching(loss_origin: Any, grad_origins: list[Any]) -> set[int]:
+    """The ids of the equations whose non-finite values reach the loss or a gradient."""
+    return set().union(*map(_interpret.origin_ids, (loss_origin, *grad_origins)))
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

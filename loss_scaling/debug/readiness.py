@@ -25,23 +25,13 @@ NARROW = ("float16", "bfloat16")
 EXPONENTS = range(-14, 128)
 
 
-def headroom(magnitude: float, limit: float = F16_MAX) -> float:
-    """Powers of two between ``magnitude`` and ``limit`` (a dtype's largest value)."""
-    if magnitude == 0:
-        return math.inf
-    return math.log2(limit / magnitude) if math.isfinite(magnitude) else -math.inf
-
-
 @dataclasses.dataclass(frozen=True)
 class LayerHeadroom:
     """One row of :class:`Float16Report`: a layer (or, outside any, a source line).
 
-    Each value is held to the range of the dtype it is computed in (float16 to 65504,
-    a float32 statistic of a float16 model to float32's), except in a report on a model
-    that computes nothing in float16 or bfloat16, where every value is held to float16's
-    range as if it were float16 (``Float16Report.hypothetical``). Values that do not
-    matter are left out: inf/NaN entries that reach neither the loss nor a gradient
-    (a masked ``-inf``) and saturated mask fills (``jnp.finfo(dtype).min``).
+    Each value is held to its own dtype's range (a float32 statistic of a float16 model
+    to float32's; every value to float16's in a ``hypothetical`` report). Masked inf/NaN
+    and saturated mask fills (``jnp.finfo(dtype).min``) are left out.
 
     Attributes:
       layer: the module path / ``named_scope`` (as in ``OverflowReport.layer``), or
@@ -82,20 +72,16 @@ class Float16Report:
     Attributes:
       rows: the :class:`LayerHeadroom` rows, sorted by ``headroom`` (ascending).
       scale: the loss scale of the backward pass the rows were measured at.
-      fits: whether the model trains in its dtype on this batch: whether, at some power of
-        two from 2**-14 to 2**127, the real step (``jax.value_and_grad`` of the loss
-        times that scale, compiled as training compiles it) gives a finite loss and
-        finite gradients. ``None`` in a hypothetical report (a float32 model: pass the
-        float16 one).
-      max_scale: the largest such power of two (found by bisection over the real step),
-        or ``None`` when none trains or in a hypothetical report.
+      fits: whether the real step (``jax.value_and_grad`` of the loss times a power of
+        two from 2**-14 to 2**127, compiled) gives a finite loss and gradients at some
+        scale on this batch; ``None`` in a hypothetical report.
+      max_scale: the largest such power of two, or ``None`` (none, or hypothetical).
       table_scale: the scale the rows predict: ``scale`` times 2 to the floor of the
         smallest backward headroom (``None`` without backward values or when one
         already overflowed). It can be below ``max_scale`` where the value that
         overflows first does not reach a gradient.
-      hypothetical: ``True`` when the model computes nothing in float16 or bfloat16
-        (a float32 model): the rows hold every value to float16's range as if it were
-        float16, and say nothing about which values a float16 model keeps in float32.
+      hypothetical: the model computes nothing in float16 or bfloat16: the rows hold
+        every value to float16's range as if it were float16 (see ``HYPOTHETICAL``).
       notes: what was left out of the rows (masked non-finite values, mask fills).
     """
 
@@ -148,19 +134,12 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
                    has_aux: bool = False) -> Float16Report:
     """Per layer, how close one step's values come to their dtype's limits; and the verdict.
 
-    Runs the batch as :func:`find_overflow` does (same arguments, same differentiation,
-    eagerly, op by op) and records every floating value of the forward pass and of the
-    backward pass of the loss times ``scale``, grouped by layer, each against the range
-    of the dtype it is computed in. Left out: inf/NaN that reach neither the loss nor a
-    gradient (a masked ``-inf``), saturated mask fills, and the multiplication by the
-    scale itself (float32, in ``loss_scaling.scale``).
-
-    The verdict (``fits``) and the largest safe scale (``max_scale``) are not read off
-    the table: they come from the real step, ``jax.value_and_grad`` of the loss times
-    a power of two, compiled once and run by bisection over the powers of two from
-    2**-14 to 2**127, as training would run it. Pass the float16 model (float16
-    compute, float32 params); on a float32 model the table is hypothetical (every value
-    held to float16's range) and there is no verdict.
+    Runs the batch as :func:`find_overflow` does and groups every floating value of the
+    forward and backward pass (of the loss times ``scale``) by layer, each against its
+    own dtype's range; masked inf/NaN, mask fills and the multiplication by the scale
+    are left out. The verdict (``fits``) and ``max_scale`` come from the real step
+    compiled once and bisected over 2**-14 .. 2**127, not from the table. Pass the
+    float16 model; on a float32 one the table is hypothetical and there is no verdict.
 
     Args:
       loss_fn, ``*args``, scale, has_aux: as for :func:`find_overflow`.
@@ -178,11 +157,6 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
     """
     p = _trace.problem(loss_fn, args, scale, has_aux)
     values: list[_Value] = []
-    count = iter(range(_interpret.ARGUMENT + 1, 2**31 - 1))
-
-    def fresh(*_: Any) -> int:
-        return next(count)
-
     def visit(eqn: Any, invals: Sequence[Any], outvals: Sequence[Any], where: Where,
               origins: Sequence[Any]) -> None:
         if _trace.SCALE_SCOPE in where.scopes:
@@ -196,23 +170,19 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
                                      eqn.primitive.name, source, str(out.dtype),
                                      *_magnitudes(out), _interpret.origin_ids(origin)))
 
-    reaching = _trace.interpret_step(p, visit, fresh).reaching()
+    reaching = _trace.reaching(*_trace.interpret_step(p, visit, lambda *_: None))
     hypothetical = not any(v.phase == "forward" and v.dtype in NARROW for v in values)
-    notes = []
     masked = sum(1 for v in values if v.origins and not v.origins & reaching)
-    if masked:
-        notes.append(f"{masked} values held inf/NaN that reach neither the loss nor a "
-                     "gradient (masked away): left out")
     fills = sum(v.fills for v in values)
-    if fills:
-        notes.append(f"{fills} saturated entries (at their dtype's largest magnitude, as a "
-                     "finfo.min mask fill is): left out")
-    table = _table(values, p.scale, reaching, hypothetical)
-    if hypothetical:
-        return dataclasses.replace(table, notes=tuple(notes))
-    max_scale = largest_finite_scale(p)
-    return dataclasses.replace(table, fits=max_scale is not None, max_scale=max_scale,
-                               notes=tuple(notes))
+    notes = tuple(text for count, text in (
+        (masked, f"{masked} values held inf/NaN that reach neither the loss nor a gradient "
+                 "(masked away): left out"),
+        (fills, f"{fills} saturated entries (at their dtype's largest magnitude, as a "
+                "finfo.min mask fill is): left out")) if count)
+    rows, table_scale = _rows(values, p.scale, reaching, hypothetical)
+    max_scale = None if hypothetical else largest_finite_scale(p)
+    return Float16Report(rows, p.scale, None if hypothetical else max_scale is not None,
+                         max_scale, table_scale, hypothetical, notes)
 
 
 class _Value(NamedTuple):
@@ -250,11 +220,14 @@ def _magnitudes(x: Any) -> tuple[float, int, int, int, int]:
     return top, small, int(np.count_nonzero(kept == 0)), int(np.count_nonzero(fill)), x.size
 
 
-def _table(values: list[_Value], scale: float, reaching: set[int],
-           hypothetical: bool) -> Float16Report:
+def _rows(values: list[_Value], scale: float, reaching: set[int],
+          hypothetical: bool) -> tuple[tuple[LayerHeadroom, ...], float | None]:
+    """The rows, tightest first, and the scale they predict (``table_scale``)."""
     def rated(v: _Value) -> tuple[float, float, _Value]:  # (headroom, max, value)
-        top = math.inf if v.origins & reaching else v.top  # it reaches the loss or a gradient
-        return headroom(top, F16_MAX if hypothetical else float(jnp.finfo(v.dtype).max)), top, v
+        if v.origins & reaching:  # an inf/NaN that reaches the loss or a gradient
+            return -math.inf, math.inf, v
+        limit = F16_MAX if hypothetical else float(jnp.finfo(v.dtype).max)
+        return (math.log2(limit / v.top) if v.top else math.inf), v.top, v
 
     by_layer: dict[str, list[_Value]] = {}
     for v in values:
@@ -274,10 +247,9 @@ def _table(values: list[_Value], scale: float, reaching: set[int],
             limiting.source if limiting else ""))
     rows.sort(key=lambda r: r.headroom)
     tightest = min((r.backward_headroom for r in rows if r.backward_max > 0), default=None)
-    table_scale = None  # no backward values, or some already overflowed at this scale
-    if tightest is not None and math.isfinite(tightest):
-        table_scale = scale * 2.0 ** math.floor(tightest)
-    return Float16Report(tuple(rows), scale, None, None, table_scale, hypothetical)
+    if tightest is None or not math.isfinite(tightest):  # none, or one already overflowed
+        return tuple(rows), None
+    return tuple(rows), scale * 2.0 ** math.floor(tightest)
 
 
 def largest_finite_scale(p: _trace.Problem) -> float | None:
