@@ -16,10 +16,10 @@ entries flush to exactly zero, the lower layers never learn, and training stalls
 chance. Adam rescales tiny but nonzero gradients, so float32 trains normally, and so does
 float16 once the loss scale lifts the gradients into range.
 
-Everything is generated deterministically from ``--seed`` (no downloads). The module
-imports nothing optional at import time: tqdm (progress bar) and matplotlib (the PNG)
-come with ``pip install "loss-scaling[demo]"``; without tqdm a plain text bar is shown,
-without matplotlib the PNG is skipped with a message.
+Everything is generated deterministically from ``--seed`` (no downloads). The output (a
+progress bar, the comparison table, a PNG of the curves) imports nothing optional at import
+time: tqdm and matplotlib come with ``pip install "loss-scaling[demo]"``; without tqdm a
+plain text bar is shown, without matplotlib the PNG is skipped with a message.
 """
 
 from __future__ import annotations
@@ -39,32 +39,10 @@ import numpy as np
 import optax
 
 import loss_scaling as ls
-from loss_scaling.demo_report import (  # noqa: F401  (the demo's public helpers)
-    _progress_bar,
-    _TextBar,
-    accuracy_gaps,
-    draw_results,
-    format_table,
-    save_figure,
-)
 
-__all__ = [
-    "MODES",
-    "MLP",
-    "Mode",
-    "RunResult",
-    "accuracy_gaps",
-    "draw_results",
-    "evaluate",
-    "format_table",
-    "main",
-    "make_optimizer",
-    "make_spirals",
-    "make_train_step",
-    "run",
-    "save_figure",
-    "train",
-]
+__all__ = ["MODES", "MLP", "Mode", "RunResult", "accuracy_gaps", "draw_results", "evaluate",
+           "format_table", "main", "make_optimizer", "make_spirals", "make_train_step", "run",
+           "save_figure", "train"]
 
 DEFAULT_STEPS = 1000
 DEFAULT_SEED = 0
@@ -81,10 +59,8 @@ GROWTH_INTERVAL = 100  # not the default 2000, so that a short run shows the sca
 # ----------------------------------------------------------------------------- data
 
 
-def make_spirals(
-    n: int, *, seed: int, split: int = 0, classes: int = NUM_CLASSES,
-    turns: float = 0.75, noise: float = 0.2,
-) -> tuple[np.ndarray, np.ndarray]:
+def make_spirals(n: int, *, seed: int, split: int = 0, classes: int = NUM_CLASSES,
+                 turns: float = 0.75, noise: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
     """Interleaved noisy spiral arms in 2-D, one per class: ``(x float32 [n, 2], y int32 [n])``.
 
     Deterministic in ``(seed, split)``; use ``split=0`` for training, ``1`` for testing.
@@ -132,11 +108,6 @@ class Mode:
     description: str
     dtype: Any
     make_scaler: Callable[[], ls.LossScale]
-
-    @property
-    def dynamic(self) -> bool:
-        """Whether this mode's loss scale is a ``DynamicLossScale``."""
-        return isinstance(self.make_scaler(), ls.DynamicLossScale)
 
 
 MODES: tuple[Mode, ...] = (
@@ -206,12 +177,12 @@ def evaluate(model: MLP, params: Any, x: Any, y: Any) -> tuple[float, float]:
     """``(mean cross-entropy, accuracy in [0, 1])`` of ``model`` at ``params`` on ``(x, y)``."""
 
     @jax.jit
-    def metrics(params: Any, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def loss_and_accuracy(params: Any, x: jax.Array, y: jax.Array) -> tuple[Any, Any]:
         logits = _apply(model, params, x)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
         return loss.mean(), (jnp.argmax(logits, -1) == y).mean()
 
-    loss, accuracy = metrics(params, jnp.asarray(x), jnp.asarray(y))
+    loss, accuracy = loss_and_accuracy(params, jnp.asarray(x), jnp.asarray(y))
     return float(loss), float(accuracy)
 
 
@@ -242,22 +213,13 @@ class RunResult:
         return float(self.zero_fractions.mean())
 
 
-def _train_and_test_data(data: tuple[Any, Any, Any, Any] | None,
-                         seed: int) -> tuple[jax.Array, ...]:
-    if data is None:
-        data = (*make_spirals(NUM_EXAMPLES, seed=seed, split=0),
-                *make_spirals(NUM_EXAMPLES, seed=seed, split=1))
-    return tuple(jnp.asarray(a) for a in data)
+def _train_and_test_data(seed: int) -> tuple[Any, ...]:
+    return (*make_spirals(NUM_EXAMPLES, seed=seed, split=0),
+            *make_spirals(NUM_EXAMPLES, seed=seed, split=1))
 
 
-def train(
-    mode: Mode,
-    *,
-    steps: int = DEFAULT_STEPS,
-    seed: int = DEFAULT_SEED,
-    progress: bool = True,
-    data: tuple[Any, Any, Any, Any] | None = None,
-) -> RunResult:
+def train(mode: Mode, *, steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED,
+          progress: bool = True, data: tuple[Any, Any, Any, Any] | None = None) -> RunResult:
     """Trains the model in one mode, full batch, for ``steps`` steps; returns a RunResult.
 
     Args:
@@ -269,7 +231,7 @@ def train(
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}.")
-    x_train, y_train, x_test, y_test = _train_and_test_data(data, seed)
+    x_train, y_train, x_test, y_test = map(jnp.asarray, data or _train_and_test_data(seed))
     model = MLP(dtype=mode.dtype)
     params = model.init(jax.random.key(seed), x_train[:1])["params"]
     tx = make_optimizer(mode, steps)
@@ -285,7 +247,6 @@ def train(
     if bar is not None:
         bar.update(1)
     start = time.perf_counter()
-    shown = 1
     for done in range(2, steps + 1):
         params, opt_state, step_stats = train_step(params, opt_state, x_train, y_train)
         stats.append(step_stats)
@@ -293,8 +254,7 @@ def train(
             # Reading the loss waits for the step: the bar shows real progress.
             bar.set_postfix_str(f"loss {float(step_stats.loss):.3f} "
                                 f"scale {float(step_stats.loss_scale):g}", refresh=False)
-            bar.update(done - shown)
-            shown = done
+            bar.update(done - bar.n)
     jax.block_until_ready(params)
     seconds_per_step = (time.perf_counter() - start) / max(steps - 1, 1)
     if bar is not None:
@@ -309,26 +269,130 @@ def train(
         loss_scales=np.array([s.loss_scale for s in history], np.float32),
         finite=np.array([s.finite for s in history], bool),
         zero_fractions=np.array([s.zero_fraction for s in history], np.float32),
-        test_loss=test_loss,
-        test_accuracy=test_accuracy,
-        final_scale=float(summary["loss_scale"]),
-        skipped_steps=int(summary["skipped_steps"]),
+        test_loss=test_loss, test_accuracy=test_accuracy,
+        final_scale=float(summary["loss_scale"]), skipped_steps=int(summary["skipped_steps"]),
         seconds_per_step=seconds_per_step if steps > 1 else compile_seconds,
-        compile_seconds=compile_seconds,
-        params=params,
-    )
+        compile_seconds=compile_seconds, params=params)
 
 
-def run(
-    steps: int = DEFAULT_STEPS,
-    seed: int = DEFAULT_SEED,
-    progress: bool = True,
-    modes: Sequence[Mode] = MODES,
-) -> list[RunResult]:
+def run(steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED, progress: bool = True,
+        modes: Sequence[Mode] = MODES) -> list[RunResult]:
     """Trains every mode on the same data from the same initialisation."""
-    data = (*make_spirals(NUM_EXAMPLES, seed=seed, split=0),
-            *make_spirals(NUM_EXAMPLES, seed=seed, split=1))
+    data = _train_and_test_data(seed)
     return [train(mode, steps=steps, seed=seed, progress=progress, data=data) for mode in modes]
+
+
+# --------------------------------------------------------------------------- output
+
+
+class _TextBar:
+    """A minimal stand-in for ``tqdm`` (used when it is not installed)."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.total, self.desc, self.n, self.postfix = total, desc, 0, ""
+        self.start = time.perf_counter()
+
+    def update(self, n: int = 1, end: str = "") -> None:
+        self.n += n
+        done = int(30 * self.n / max(self.total, 1))
+        sys.stderr.write(f"\r{self.desc}: [{'#' * done}{'.' * (30 - done)}] "
+                         f"{self.n}/{self.total} {time.perf_counter() - self.start:5.1f}s "
+                         f"{self.postfix}{end}")
+        sys.stderr.flush()
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        self.postfix = s
+
+    def close(self) -> None:
+        self.update(0, end="\n")
+
+
+def _progress_bar(total: int, desc: str) -> Any:
+    """tqdm's bar on stderr, or :class:`_TextBar` without tqdm."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _TextBar(total, desc)
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+def accuracy_gaps(results: Sequence[RunResult]) -> dict[str, float]:
+    """Test accuracy of each mode minus that of ``fp32``, in points (percent)."""
+    reference = {r.mode.name: r for r in results}["fp32"]
+    return {r.mode.name: round(100 * (r.test_accuracy - reference.test_accuracy), 1) + 0.0
+            for r in results if r is not reference}
+
+
+def format_table(results: Sequence[RunResult]) -> str:
+    """The comparison table, then a line of test-accuracy differences against ``fp32``."""
+    header = (f"{'mode':<8} {'compute':<29} {'final loss':>10} {'test acc':>8} "
+              f"{'skipped':>7} {'final scale':>11} {'ms/step':>7} {'zero grads':>10}")
+    lines = [header, "-" * len(header)]
+    for r in results:
+        exponent = float(np.log2(r.final_scale))  # a power of two shows as 2^k
+        scale = f"2^{exponent:g}" if exponent.is_integer() and exponent else f"{r.final_scale:g}"
+        lines.append(
+            f"{r.mode.name:<8} {r.mode.description:<29} {r.final_loss:>10.4f} "
+            f"{100 * r.test_accuracy:>7.1f}% {r.skipped_steps:>7d} "
+            f"{scale:>11} {1e3 * r.seconds_per_step:>7.2f} "
+            f"{100 * r.zero_fraction:>9.1f}%")
+    lines.append("-" * len(header))
+    if any(r.mode.name == "fp32" for r in results):
+        by_name = {r.mode.name: r for r in results}
+        gaps = [f"{by_name[name].mode.description} {gap:+.1f} points"
+                for name, gap in accuracy_gaps(results).items()]
+        lines.append("test accuracy vs float32: " + "; ".join(gaps))
+    lines.append("zero grads: fraction of gradient entries that are exactly 0, "
+                 "mean over the steps")
+    return "\n".join(lines)
+
+
+_COLORS = {"fp32": "tab:blue", "fp16": "tab:red", "fp16+ls": "tab:green"}
+
+
+def draw_results(results: Sequence[RunResult], axes: Sequence[Any]) -> None:
+    """Draws the three panels on three matplotlib axes: loss, zero gradients, loss scale."""
+    ax_loss, ax_zero, ax_scale = axes
+    for r in results:
+        color = _COLORS.get(r.mode.name)
+        label = f"{r.mode.name} (test acc {100 * r.test_accuracy:.1f}%)"
+        steps = np.arange(1, len(r.losses) + 1)
+        ax_loss.plot(steps, r.losses, color=color, label=label, lw=1.5)
+        ax_zero.plot(steps, 100 * r.zero_fractions, color=color, label=r.mode.name, lw=1.5)
+    ax_loss.set(title="training loss", xlabel="step", ylabel="cross-entropy", yscale="log")
+    ax_loss.legend(fontsize=8)
+    ax_zero.set(title="gradient entries that are exactly 0", xlabel="step", ylabel="%",
+                ylim=(-3, 100))
+    ax_zero.legend(fontsize=8)
+
+    scaled = [r for r in results if isinstance(r.mode.make_scaler(), ls.DynamicLossScale)]
+    for r in scaled:
+        steps = np.arange(1, len(r.loss_scales) + 1)
+        color = _COLORS.get(r.mode.name)
+        ax_scale.step(steps, r.loss_scales, where="post", color=color, label=r.mode.name)
+        skipped = ~r.finite
+        ax_scale.scatter(steps[skipped], r.loss_scales[skipped], marker="x", color="black",
+                         zorder=3, label=f"skipped step ({int(skipped.sum())})")
+    ax_scale.set(title="loss scale (fp16+ls)", xlabel="step", ylabel="factor")
+    ax_scale.set_yscale("log", base=2)
+    if scaled:
+        ax_scale.legend(fontsize=8)
+
+
+def save_figure(results: Sequence[RunResult], path: str | os.PathLike[str]) -> None:
+    """Saves the three panels as a PNG at ``path`` (needs matplotlib; no pyplot state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 4.2), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    draw_results(results, fig.subplots(1, 3))
+    fig.suptitle("float16 training: without loss scaling the lower layers get zero "
+                 "gradients; with it, float16 matches float32")
+    directory = os.path.dirname(os.fspath(path))
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    fig.savefig(os.fspath(path), format="png")
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -336,14 +400,11 @@ def run(
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m loss_scaling.demo",
-        description=(
-            "Train a deep sigmoid MLP on a generated 3-class spiral data set three times: "
-            "float32; float16 compute without loss scaling; float16 compute with "
-            "loss_scaling.DynamicLossScale. Prints a comparison table and saves a PNG of "
-            "the loss curves and the loss scale over time."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+        prog="python -m loss_scaling.demo", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a deep sigmoid MLP on generated 3-class spirals three times: "
+        "float32; float16 compute without loss scaling; float16 compute with "
+        "loss_scaling.DynamicLossScale. Prints a comparison table and saves a PNG of the "
+        "loss curves and the loss scale over time.")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                         help="optimizer steps per mode (full batch of "
                              f"{NUM_EXAMPLES} examples; the learning rate decays to 0 over them)")
@@ -366,8 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"(seed {args.seed}, jax {jax.__version__} on {jax.default_backend()}).", flush=True)
     start = time.perf_counter()
     results = run(steps=args.steps, seed=args.seed, progress=not args.no_progress)
-    print()
-    print(format_table(results))
+    print("\n" + format_table(results))
     print(f"\ntotal time {time.perf_counter() - start:.1f}s")
     try:
         save_figure(results, args.out)

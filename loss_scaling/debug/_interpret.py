@@ -1,41 +1,21 @@
-"""An eager jaxpr interpreter that follows every non-finite value to where it ends up.
+"""An eager jaxpr interpreter that keeps, per inf/NaN entry, the equation it came from.
 
-``jax.core.eval_jaxpr`` semantics (``eqn.primitive.bind(*invals, **bind_params)`` under
-the equation's context), except that the higher-order primitives are interpreted rather than
-bound: ``jit`` / ``closed_call``, ``checkpoint`` (``remat``), ``custom_jvp_call`` /
-``custom_vjp_call`` (their primal function), ``cond`` (the taken branch), and ``scan`` /
-``while`` one iteration at a time, so that a visitor sees the equations of the iteration
-where something first goes wrong. Any other primitive (``shard_map``, callbacks) is bound
-as a whole and shown as one equation.
-
-**Origins.** Beside each value the interpreter keeps, for a value with inf or NaN entries,
-an int32 array of its shape: per entry, the earliest equation (an id from
-:class:`Origins`, in execution order) whose non-finite output that entry carries, and
-:data:`FINITE` for finite entries. A leaf equation whose output has a non-finite entry
-gets it from its inputs' non-finite entries where it depends on one (see
-:func:`_propagate`), else the equation itself is the origin (a *fresh* non-finite: an
-overflow, ``log(0)``, ``0/0``). The rule is driven by the values, never by a list of
-"masking" operations: a ``where`` / ``select_n`` that picks the finite branch, a
-``max`` against a finite operand, ``exp(-inf) = 0``, or a reduction whose result stays
-finite all give finite outputs, and a finite entry carries no origin. So an equation is
-reported only when its non-finite output reaches the loss or a gradient
-(``loss_scaling.debug.overflow``). Dependence is tracked entry by entry through
-elementwise operations, data movement (transpose, reshape, slices, gathers, ``select_n``),
-reductions, cumulative operations and ``dot_general``; any other primitive passes the
-earliest origin among all of its inputs to every non-finite output entry (it can only
-name an equation too early, never one later than the first that matters).
-
-The primitive names and parameter keys are JAX internals; tests/test_overflow.py pins
-each one, so that a JAX release that renames one fails there and not silently.
+``jax.core.eval_jaxpr``, with ``jit``, ``checkpoint``, ``custom_jvp`` / ``custom_vjp``,
+``cond`` (the taken branch), ``scan`` and ``while`` (an iteration at a time) interpreted;
+any other primitive is bound whole. Beside each value with inf/NaN entries it keeps an
+int32 *origin* array of its shape: per entry, the id of the earliest equation whose new
+inf/NaN the entry carries (:data:`FINITE` where it is finite), so that a value masked
+away before the loss or a gradient is told from one that reaches them. :func:`_propagate`
+is the rule per primitive; README.md says why, and what the interpreter cannot see.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -84,13 +64,17 @@ class Where:
     def iteration(self, kind: str, index: int) -> Where:
         return dataclasses.replace(self, loops=(*self.loops, (kind, index)))
 
+    @property
+    def scopes(self) -> list[str]:
+        """The scope names (module paths, ``named_scope``), transforms dropped."""
+        return [e.name for e in self.name_stack.stack if type(e).__name__ == "Scope"]
 
-# visit(eqn, invals, outvals, where, out_origins) is called after each leaf equation ran;
-# out_origins[i] is None where outvals[i] is finite (or not floating).
+
+# visit(eqn, invals, outvals, where, out_origins) after each leaf equation (None: finite).
 Visitor = Callable[[Any, Sequence[Any], Sequence[Any], Where, Sequence[Any]], None]
-# fresh(eqn, invals, out, where) -> the id of a new origin, called once per equation
-# output that holds a non-finite entry none of its inputs gave it.
-Fresh = Callable[[Any, Sequence[Any], Any, Where], int]
+# fresh(id, eqn, invals, out, where) is called once per equation output that holds a
+# non-finite entry none of its inputs gave it: ``id`` is its origin (in execution order).
+Fresh = Callable[[int, Any, Sequence[Any], Any, Where], None]
 
 
 @dataclasses.dataclass
@@ -99,29 +83,26 @@ class Interpreter:
 
     visit: Visitor
     fresh: Fresh
+    ids: Iterator[int] = dataclasses.field(default_factory=lambda: itertools.count(ARGUMENT + 1))
 
-    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], where: Where,
-            origins: Sequence[Any] | None = None,
-            const_origins: Sequence[Any] | None = None) -> tuple[list[Any], list[Any]]:
+    def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], where: Where,
+                   origins: Sequence[Any], const_origins: Sequence[Any] = ()
+                   ) -> tuple[list[Any], list[Any]]:
         """Evaluates ``jaxpr``; returns its outputs and their origins.
 
-        ``origins`` and ``const_origins`` are those of ``args`` and ``consts`` (default:
-        none; a literal never carries one).
+        ``origins`` and ``const_origins`` are those of ``args`` and ``consts`` (``None``
+        for a finite one; ``consts`` carry none by default, nor does a literal).
         """
-        env: dict[Any, Any] = {}
-        src: dict[Any, Any] = {}
+        env = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        src = dict(zip(jaxpr.invars, origins, strict=True))
+        src.update(zip(jaxpr.constvars, const_origins, strict=False))
 
         def read(v: Any) -> tuple[Any, Any]:
             if isinstance(v, jex.Literal):
                 return v.val, None
             return env[v], src.get(v)
 
-        env.update(zip(jaxpr.constvars, consts, strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-        if origins is not None:
-            src.update(zip(jaxpr.invars, origins, strict=True))
-        if const_origins is not None:
-            src.update(zip(jaxpr.constvars, const_origins, strict=True))
         for eqn in jaxpr.eqns:
             invals, inorigins = zip(*map(read, eqn.invars), strict=True) if eqn.invars else ((), ())
             with eqn.ctx.manager:
@@ -139,74 +120,66 @@ class Interpreter:
               where: Where) -> tuple[list[Any], list[Any]]:
         name = eqn.primitive.name
         if name in CALLS:
-            key = next(k for k in _JAXPR_KEYS if k in eqn.params)
-            jaxpr, consts = _open(eqn.params[key])
-            return self.run(jaxpr, consts, invals, where, origins)
+            closed = eqn.params[next(k for k in _JAXPR_KEYS if k in eqn.params)]
+            if isinstance(closed, jex.ClosedJaxpr):
+                return self.eval_jaxpr(closed.jaxpr, closed.consts, invals, where, origins)
+            return self.eval_jaxpr(closed, (), invals, where, origins)
         if name == "cond":
             branch = eqn.params["branches"][int(invals[0])]
-            return self.run(branch.jaxpr, branch.consts, invals[1:], where, origins[1:])
+            return self.eval_jaxpr(branch.jaxpr, branch.consts, invals[1:], where, origins[1:])
         if name == "scan":
             return self._scan(eqn, invals, origins, where)
         if name == "while":
             return self._while(eqn, invals, origins, where)
         out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
         outvals = list(out) if eqn.primitive.multiple_results else [out]
-        outorigins = []
-        for i, x in enumerate(outvals):
-            outorigins.append(self._origin(eqn, invals, origins, i, x, where))
+        outorigins = [self._origin(eqn, invals, origins, i, x, where)
+                      for i, x in enumerate(outvals)]
         self.visit(eqn, invals, outvals, where, outorigins)
         return outvals, outorigins
 
     def _origin(self, eqn: Any, invals: list[Any], origins: list[Any], index: int, out: Any,
                 where: Where) -> Any:
-        if not is_float(out) or all_finite(out):
+        if not is_float(out) or finite_on_host(out):
             return None
         bad = ~jnp.isfinite(out)
-        if any(o is not None for o in origins):
-            came = _propagate(eqn, invals, origins, index, out)
-        else:
-            came = jnp.full(out.shape, FINITE, jnp.int32)
+        came = (_propagate(eqn, invals, origins, index, out) if any(o is not None for o in origins)
+                else jnp.full(out.shape, FINITE, jnp.int32))
         new = bad & (came == FINITE)
         if bool(jnp.any(new)):
-            came = jnp.where(new, jnp.int32(self.fresh(eqn, invals, out, where)), came)
+            key = next(self.ids)
+            self.fresh(key, eqn, invals, out, where)
+            came = jnp.where(new, jnp.int32(key), came)
         return jnp.where(bad, came, FINITE).astype(jnp.int32)
 
     def _scan(self, eqn: Any, invals: list[Any], origins: list[Any],
               where: Where) -> tuple[list[Any], list[Any]]:
         p = eqn.params
-        body, length = p["jaxpr"], p["length"]
-        n_consts, n_carry = p["num_consts"], p["num_carry"]
-        consts, carry, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
-                             invals[n_consts + n_carry:])
-        c_o, carry_o, xs_o = (origins[:n_consts], origins[n_consts:n_consts + n_carry],
-                              origins[n_consts + n_carry:])
-        ys: list[list[Any]] = [[] for _ in eqn.outvars[n_carry:]]
-        ys_o: list[list[Any]] = [[] for _ in eqn.outvars[n_carry:]]
-        order = range(length - 1, -1, -1) if p["reverse"] else range(length)
-        for i in order:
-            out, out_o = self.run(body.jaxpr, body.consts, [*consts, *carry, *(x[i] for x in xs)],
-                                  where.iteration("scan", i),
-                                  [*c_o, *carry_o, *(None if o is None else o[i] for o in xs_o)])
+        body, n_consts, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
+        n_in = n_consts + n_carry
+        consts, carry, xs = invals[:n_consts], invals[n_consts:n_in], invals[n_in:]
+        c_o, carry_o, xs_o = origins[:n_consts], origins[n_consts:n_in], origins[n_in:]
+        ys: list[list[tuple[Any, Any]]] = [[] for _ in eqn.outvars[n_carry:]]  # (value, origin)
+        for i in range(p["length"] - 1, -1, -1) if p["reverse"] else range(p["length"]):
+            out, out_o = self.eval_jaxpr(
+                body.jaxpr, body.consts, [*consts, *carry, *(x[i] for x in xs)],
+                where.iteration("scan", i),
+                [*c_o, *carry_o, *(None if o is None else o[i] for o in xs_o)])
             carry, carry_o = out[:n_carry], out_o[:n_carry]
-            for stack, y in zip(ys, out[n_carry:], strict=True):
-                stack.append(y)
-            for stack, o in zip(ys_o, out_o[n_carry:], strict=True):
-                stack.append(o)
+            for stack, y, o in zip(ys, out[n_carry:], out_o[n_carry:], strict=True):
+                stack.append((y, o))
         stacked: list[Any] = []
         stacked_o: list[Any] = []
-        for var, stack, stack_o in zip(eqn.outvars[n_carry:], ys, ys_o, strict=True):
+        for var, stack in zip(eqn.outvars[n_carry:], ys, strict=True):
             if p["reverse"]:
-                stack, stack_o = stack[::-1], stack_o[::-1]
-            if not stack:
+                stack.reverse()
+            if not stack:  # length 0
                 stacked.append(jnp.zeros(var.aval.shape, var.aval.dtype))
                 stacked_o.append(None)
                 continue
-            stacked.append(jnp.stack(stack))
-            if all(o is None for o in stack_o):
-                stacked_o.append(None)
-            else:
-                stacked_o.append(jnp.stack([_full(o, y) for o, y in zip(stack_o, stack,
-                                                                         strict=True)]))
+            stacked.append(jnp.stack([y for y, _ in stack]))
+            stacked_o.append(None if all(o is None for _, o in stack)
+                             else jnp.stack([_full(o, y) for y, o in stack]))
         return [*carry, *stacked], [*carry_o, *stacked_o]
 
     def _while(self, eqn: Any, invals: list[Any], origins: list[Any],
@@ -220,19 +193,13 @@ class Interpreter:
         i = 0
         while True:
             inner = where.iteration("while", i)
-            (go,), _ = self.run(cond.jaxpr, cond.consts, [*cond_consts, *carry], inner,
-                                [*cond_o, *carry_o])
+            (go,), _ = self.eval_jaxpr(cond.jaxpr, cond.consts, [*cond_consts, *carry],
+                                       inner, [*cond_o, *carry_o])
             if not bool(go):
                 return carry, carry_o
-            carry, carry_o = self.run(body.jaxpr, body.consts, [*body_consts, *carry], inner,
-                                      [*body_o, *carry_o])
+            carry, carry_o = self.eval_jaxpr(body.jaxpr, body.consts, [*body_consts, *carry],
+                                             inner, [*body_o, *carry_o])
             i += 1
-
-
-def _open(closed: Any) -> tuple[Any, Sequence[Any]]:
-    if isinstance(closed, jex.ClosedJaxpr):
-        return closed.jaxpr, closed.consts
-    return closed, ()
 
 
 def _full(origin: Any, like: Any) -> Any:
@@ -280,10 +247,9 @@ def _earliest(origins: list[Any], shape: tuple[int, ...]) -> Any:
 def _dot_general(eqn: Any, origins: list[Any], shape: tuple[int, ...]) -> Any:
     """Output (batch, lhs free, rhs free) depends on the rows and columns it contracts."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lhs, rhs = origins[0], origins[1]
     n_batch = len(lb)
     came = jnp.full(shape, FINITE, jnp.int32)
-    for o, contract, batch, first in ((lhs, lc, lb, True), (rhs, rc, rb, False)):
+    for o, contract, batch, first in ((origins[0], lc, lb, True), (origins[1], rc, rb, False)):
         if o is None:
             continue
         free = [d for d in range(o.ndim) if d not in contract and d not in batch]
@@ -297,40 +263,26 @@ def _dot_general(eqn: Any, origins: list[Any], shape: tuple[int, ...]) -> Any:
     return came
 
 
-def all_finite(x: Any) -> bool:
+def finite_on_host(x: Any) -> bool:
     """Whether every entry of a floating array is finite (read on the host: an eager
     ``jnp`` test would compile once per shape, the bulk of a first run's time)."""
-    try:
-        return bool(np.isfinite(np.asarray(x)).all())
-    except TypeError:  # a dtype numpy cannot test
-        return bool(jnp.all(jnp.isfinite(x)))
+    return bool(np.isfinite(np.asarray(x)).all())
 
 
 def arguments(xs: Sequence[Any]) -> list[Any]:
     """The origins of a jaxpr's arguments: :data:`ARGUMENT` at their non-finite entries."""
     return [jnp.where(jnp.isfinite(x), FINITE, ARGUMENT).astype(jnp.int32)
-            if is_float(x) and not all_finite(x) else None for x in xs]
+            if is_float(x) and not finite_on_host(x) else None for x in xs]
+
+
+def origin_ids(origin: Any) -> set[int]:
+    """The equations whose non-finite values an origin array carries (none for ``None``)."""
+    if origin is None:
+        return set()
+    return set(np.unique(np.asarray(origin)).tolist()) - {FINITE}
 
 
 def is_float(x: Any) -> bool:
     """Whether ``x`` is an array of a floating (real or complex) dtype."""
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
 
-
-def scopes(name_stack: Any) -> list[str]:
-    """The scope names of a name stack (module paths, ``named_scope``), transforms dropped."""
-    return [entry.name for entry in name_stack.stack
-            if type(entry).__name__ == "Scope"]
-
-
-def user_frame(eqn: Any, skip: Sequence[str]) -> Any:
-    """The innermost frame of ``eqn``'s traceback outside JAX and the ``skip`` directories."""
-    for frame in source_info_util.user_frames(eqn.source_info.traceback):
-        if not frame.file_name.startswith(tuple(skip)):
-            return frame
-    return None
-
-
-def as_jax_values(xs: Sequence[Any]) -> list[Any]:
-    """Literals come as Python or numpy scalars: make every value an array."""
-    return [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in xs]

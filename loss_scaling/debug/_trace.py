@@ -1,22 +1,15 @@
-"""The scaled loss of one batch, forward and backward, run through the interpreter.
+"""One step's scaled loss, forward then backward, run through the interpreter.
 
-What is differentiated follows each recipe: an ``nnx`` Module argument by the optimizer's
-``wrt`` filter (``nnx.Param`` without an optimizer), anything else (linen / plain params,
-an Equinox module) by its floating-point array leaves. The forward pass is the jaxpr of
-``jax.vjp`` of the scaled loss (its outputs: the scaled loss and the residuals); the
-backward pass is the jaxpr of the returned VJP applied to a cotangent of one. Each is
-interpreted on its own, so every equation is known to be forward or backward.
-
-flax ``nnx`` and Equinox put no module paths into JAX's name stack (linen does): while the
-loss is traced, each of their Modules' ``__call__`` runs inside a ``jax.named_scope`` of
-its attribute path (``blocks.0`` then ``lin``), and the classes are restored afterwards.
-A Module that the trace creates (inside ``nnx.scan``) is scoped by its class name.
+The arguments and what is differentiated follow each recipe (``ls.value_and_grad``'s
+conventions); nnx and Equinox Modules get ``jax.named_scope``s of their attribute paths
+while the loss is traced, as linen's are; see README.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -24,8 +17,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax._src import source_info_util
 
+from loss_scaling._errors import show
 from loss_scaling.core import scalers, tree
 from loss_scaling.debug import _interpret
 from loss_scaling.debug._interpret import Fresh, Visitor, Where
@@ -34,38 +28,33 @@ from loss_scaling.lookup import get_loss_scale
 SCALE_SCOPE = "loss_scaling.scale"  # the scope of the loss-times-scale multiplication
 
 BAD_SCALE = (
-    "scale={value!r}: pass a positive finite number, a loss-scale state, or None (the "
+    "scale={value}: pass a positive finite number, a loss-scale state, or None (the "
     "scale held by the first argument, else 1)."
 )
 NO_ARGUMENTS = (
-    "find_overflow / float16_report need loss_fn's arguments after it: the parameters (or "
-    "the model) first, e.g. `ls.find_overflow(loss_fn, params, batch)`, optionally preceded "
-    "by the optimizer (or opt_state / TrainState) that holds the loss scale."
+    "find_overflow / float16_report need loss_fn's arguments after it, the params (or "
+    "model) first, optionally preceded by what holds the loss scale (an optimizer, "
+    "opt_state, TrainState): `ls.find_overflow(loss_fn, params, batch)`."
 )
-
-
 TRACED = (
-    "find_overflow / float16_report got a traced value ({what}): they run eagerly, one "
-    "primitive at a time, on concrete arrays. Call them outside jit / grad / vmap, next "
-    "to the training loop, e.g. `ls.find_overflow(loss_fn, params, batch)` with the "
-    "step's params and batch."
+    "find_overflow / float16_report got a traced value ({what}): they run eagerly on "
+    "concrete arrays. Call them outside jit / grad / vmap, beside the training loop."
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """What to run: ``loss_fn``'s arguments, the scaler, and the nnx ``wrt`` filter."""
+    """What to run: the loss (without aux), its arguments, the scaler, nnx's ``wrt``."""
 
     loss_fn: Callable[..., Any]
     args: tuple[Any, ...]
     scaler: Any
+    scale: float  # the scaler's, as a Python float
     wrt: Any
-    has_aux: bool
 
 
 def _held_scale(first: Any) -> Any:
-    if isinstance(first, (scalers.NoOpLossScale, scalers.StaticLossScale,
-                          scalers.DynamicLossScale)):
+    if isinstance(first, scalers.SCALER_TYPES):
         return first
     if isinstance(first, jax.Array) or not jax.tree.leaves(first):
         return None
@@ -75,119 +64,84 @@ def _held_scale(first: Any) -> Any:
         return None
 
 
-def _is_nnx_optimizer(x: Any) -> bool:
-    if "flax.nnx" not in sys.modules:
-        return False
-    from flax import nnx
-
-    return isinstance(x, nnx.Optimizer)
-
-
 def problem(loss_fn: Callable[..., Any], args: tuple[Any, ...], scale: Any,
             has_aux: bool) -> Problem:
     """Splits off a leading holder of the loss scale and settles the scale to use."""
-    if not args:
-        raise TypeError(NO_ARGUMENTS)
     for what, value in (("scale", scale), *((f"argument {i + 1}", a)
                                             for i, a in enumerate(args))):
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(value)):
             raise TypeError(TRACED.format(what=what))
-    held, wrt = _held_scale(args[0]), None
-    if _is_nnx_optimizer(args[0]):
-        wrt, args = args[0].wrt, args[1:]
+    first = args[0] if args else None
+    held, wrt, nnx = _held_scale(first), None, sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(first, nnx.Optimizer):
+        wrt, args = first.wrt, args[1:]
     elif held is not None:
         args = args[1:]
     if not args:
         raise TypeError(NO_ARGUMENTS)
-    return Problem(loss_fn, args, _scaler(scale, held), wrt, has_aux)
+    loss = (lambda *a: loss_fn(*a)[0]) if has_aux else loss_fn
+    scaler = _scaler(scale, held)
+    return Problem(loss, args, scaler, float(scaler.loss_scale), wrt)
 
 
 def _scaler(scale: Any, held: Any) -> Any:
     if scale is None:
         return held if held is not None else scalers.NoOpLossScale()
-    if isinstance(scale, (scalers.NoOpLossScale, scalers.StaticLossScale,
-                          scalers.DynamicLossScale)):
+    if isinstance(scale, scalers.SCALER_TYPES):
         return scale
     try:
         value = float(scale)
     except (TypeError, ValueError):
-        raise TypeError(BAD_SCALE.format(value=scale)) from None
-    if not (value > 0 and jnp.isfinite(value)):
-        raise ValueError(BAD_SCALE.format(value=scale))
+        raise TypeError(BAD_SCALE.format(value=show(scale))) from None
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(BAD_SCALE.format(value=show(scale)))
     return scalers.StaticLossScale(value)
-
-
-def scale_value(p: Problem) -> float:
-    """The loss scale as a Python float."""
-    return float(p.scaler.loss_scale)
 
 
 def _split(p: Problem) -> tuple[list[Any], Callable[[list[Any]], tuple[Any, ...]], Any]:
     """The differentiated leaves, how to rebuild the arguments, and the module walker."""
-    first, rest = p.args[0], p.args[1:]
-    if "flax.nnx" in sys.modules:
-        from flax import nnx
+    first, rest, nnx = p.args[0], p.args[1:], sys.modules.get("flax.nnx")
+    if nnx is not None and nnx.graph.is_graph_node(first):
+        graphdef, diff, *others = nnx.split(first, p.wrt or nnx.Param, ...)
+        # Arrays, not the model's Variables: the copy merged inside the trace owns fresh
+        # ones, which BatchNorm and Dropout may write (the model is untouched).
+        others = [nnx.as_pure(other) for other in others]
+        leaves, treedef = jax.tree.flatten(nnx.as_pure(diff))
 
-        if nnx.graph.is_graph_node(first):
-            graphdef, diff, *others = nnx.split(first, p.wrt or nnx.Param, ...)
-            # Arrays, not the model's Variables: the copy merged inside the trace owns
-            # fresh ones, which BatchNorm and Dropout may write (the model is untouched).
-            others = [nnx.as_pure(other) for other in others]
-            leaves, treedef = jax.tree.flatten(nnx.as_pure(diff))
+        def nnx_arguments(xs: list[Any]) -> tuple[Any, ...]:
+            return (nnx.merge(graphdef, jax.tree.unflatten(treedef, xs), *others), *rest)
 
-            def rebuild_nnx(xs: list[Any]) -> tuple[Any, ...]:
-                state = jax.tree.unflatten(treedef, xs)
-                return (nnx.merge(graphdef, state, *others), *rest)
+        return leaves, nnx_arguments, _nnx_modules
 
-            return leaves, rebuild_nnx, _nnx_modules
-    leaves, treedef = jax.tree.flatten(first)
-    diff_at = [i for i, x in enumerate(leaves) if _interpret.is_float(x)]
+    def arguments(xs: list[Any]) -> tuple[Any, ...]:
+        new = iter(xs)  # in the order of jax.tree.leaves
+        return (jax.tree.map(lambda x: next(new) if _interpret.is_float(x) else x, first),
+                *rest)
 
-    def rebuild(xs: list[Any]) -> tuple[Any, ...]:
-        full = list(leaves)
-        for i, x in zip(diff_at, xs, strict=True):
-            full[i] = x
-        return (jax.tree.unflatten(treedef, full), *rest)
-
-    return [leaves[i] for i in diff_at], rebuild, _eqx_modules
+    return [x for x in jax.tree.leaves(first) if _interpret.is_float(x)], arguments, _eqx_modules
 
 
 def _nnx_modules(root: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    from flax import nnx
-
-    for path, node in nnx.iter_graph(root):
-        if isinstance(node, nnx.Module):
-            yield tuple(path), node
+    nnx = sys.modules["flax.nnx"]
+    yield from ((tuple(path), n) for path, n in nnx.iter_graph(root) if isinstance(n, nnx.Module))
 
 
 def _eqx_modules(root: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    if "equinox" not in sys.modules:
+    eqx = sys.modules.get("equinox")
+    if eqx is None:
         return
-    import equinox as eqx
-
     if not prefix and isinstance(root, eqx.Module):
         yield (), root
-    children = jax.tree_util.tree_flatten_with_path(
-        root, is_leaf=lambda x: x is not root and isinstance(x, eqx.Module))[0]
-    for path, child in children:
+    is_child = lambda x: x is not root and isinstance(x, eqx.Module)  # noqa: E731
+    for path, child in jax.tree_util.tree_flatten_with_path(root, is_leaf=is_child)[0]:
         if isinstance(child, eqx.Module):
-            keys = (*prefix, *(_key(k) for k in path))
+            keys = (*prefix, *(jax.tree_util.keystr((k,), simple=True) for k in path))
             yield keys, child
             yield from _eqx_modules(child, keys)
 
 
-def _key(entry: Any) -> Any:
-    for attribute in ("name", "key", "idx"):
-        if hasattr(entry, attribute):
-            return getattr(entry, attribute)
-    return str(entry)
-
-
-Walker = Callable[[Any], Iterator[tuple[tuple[Any, ...], Any]]]
-
-
 @contextlib.contextmanager
-def _module_scopes(root: Any, walk: Walker) -> Iterator[None]:
+def _module_scopes(root: Any, walk: Callable[[Any], Iterator[Any]]) -> Iterator[None]:
     """Each Module's ``__call__`` inside a named scope of its path, relative to its caller.
 
     A Module not reachable from ``root`` (one that ``nnx.scan`` merged in its body) is
@@ -238,37 +192,21 @@ def _module_scopes(root: Any, walk: Walker) -> Iterator[None]:
 def scaled_loss_fn(p: Problem, scopes: bool = True) -> tuple[
         list[Any], Callable[[list[Any], Any], Any]]:
     """The differentiated leaves, and the loss times a scaler as a function of them."""
-    leaves, rebuild, walk = _split(p)
+    leaves, arguments, walk = _split(p)
 
-    def scaled_loss(xs: list[Any], scaler: Any) -> Any:
-        args = rebuild(xs)
+    def loss_times_scale(xs: list[Any], scaler: Any) -> Any:
+        args = arguments(xs)
         with _module_scopes(args[0], walk) if scopes else contextlib.nullcontext():
-            out = p.loss_fn(*args)
-        loss = out[0] if p.has_aux else out
+            loss = p.loss_fn(*args)
         with jax.named_scope(SCALE_SCOPE):
             return tree.scale(scaler, loss)
 
-    return leaves, scaled_loss
+    return leaves, loss_times_scale
 
 
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """The origins (see ``_interpret``) of the scaled loss and of the gradients."""
-
-    loss: Any
-    grads: list[Any]
-
-    def reaching(self) -> set[int]:
-        """The ids of the equations whose non-finite values reach the loss or a gradient."""
-        ids: set[int] = set()
-        for o in (self.loss, *self.grads):
-            if o is not None:
-                ids.update(int(i) for i in np.unique(np.asarray(o)) if i != _interpret.FINITE)
-        return ids
-
-
-def run(p: Problem, visit: Visitor, fresh: Fresh) -> Outcome:
-    """Interprets the forward pass, then the backward pass of the scaled loss.
+def interpret_step(p: Problem, visit: Visitor, fresh: Fresh) -> tuple[Any, list[Any]]:
+    """Interprets the forward pass, then the backward pass of the scaled loss; returns the
+    origins (see ``_interpret``) of the scaled loss and of the gradients.
 
     Origins flow from the forward pass into the backward pass through the residuals.
     """
@@ -276,26 +214,34 @@ def run(p: Problem, visit: Visitor, fresh: Fresh) -> Outcome:
     forward, shape = jax.make_jaxpr(
         lambda xs: jax.vjp(lambda ys: scaled(ys, p.scaler), xs), return_shape=True)(leaves)
     interpreter = _interpret.Interpreter(visit, fresh)
-    outs, origins = interpreter.run(
+    outs, origins = interpreter.eval_jaxpr(
         forward.jaxpr, forward.consts, leaves, Where("forward"),
         _interpret.arguments(leaves), _interpret.arguments(forward.consts))
     loss, vjp = jax.tree.unflatten(jax.tree.structure(shape), outs)
-    n_loss = len(jax.tree.leaves(loss))
-    cotangent = jnp.ones_like(loss)
+    cotangent = jnp.ones_like(loss)  # a constant of the backward jaxpr, not an equation
     backward = jax.make_jaxpr(lambda vjp: vjp(cotangent))(vjp)
-    _, grad_origins = interpreter.run(backward.jaxpr, backward.consts, jax.tree.leaves(vjp),
-                                      Where("backward"), origins[n_loss:])
-    return Outcome(origins[0], grad_origins)
+    _, grad_origins = interpreter.eval_jaxpr(backward.jaxpr, backward.consts,
+                                             jax.tree.leaves(vjp), Where("backward"),
+                                             origins[1:])  # the residuals'
+    return origins[0], grad_origins
 
 
-def library_dirs() -> list[str]:
-    """Directories whose frames are not the user's: the frameworks and this library."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # loss_scaling/
-    dirs = [os.path.join(package, "debug") + os.sep]
-    dirs += [os.path.join(package, name) for name in sorted(os.listdir(package))
-             if name.endswith(".py") and name != "demo.py"]  # the demo's model is user code
-    for name in ("flax", "equinox", "optax", "haiku", "chex"):
-        path = getattr(sys.modules.get(name), "__file__", None)
-        if path:
-            dirs.append(os.path.dirname(path) + os.sep)
-    return dirs
+def reaching(loss_origin: Any, grad_origins: list[Any]) -> set[int]:
+    """The ids of the equations whose non-finite values reach the loss or a gradient."""
+    return set().union(*map(_interpret.origin_ids, (loss_origin, *grad_origins)))
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_DEMO = os.path.join(_PACKAGE, "demo.py")  # the demo's model is user code
+_FRAMEWORKS = ("flax", "equinox", "optax", "haiku", "chex")
+
+
+def user_frame(eqn: Any) -> Any:
+    """The innermost frame of ``eqn``'s traceback outside JAX, the frameworks (flax,
+    Equinox, optax, ...) and this library: the user's line."""
+    files = (getattr(sys.modules.get(name), "__file__", None) for name in _FRAMEWORKS)
+    skip = (_PACKAGE, *(os.path.dirname(f) + os.sep for f in files if f))
+    for frame in source_info_util.user_frames(eqn.source_info.traceback):
+        if frame.file_name == _DEMO or not frame.file_name.startswith(skip):
+            return frame
+    return None

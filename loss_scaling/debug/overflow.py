@@ -19,9 +19,7 @@ _EQUATION_CHARS = 240
 
 @dataclasses.dataclass(frozen=True)
 class OverflowReport:
-    """Where the first inf or NaN of a step appeared (or that none did).
-
-    ``bool(report)`` is ``report.found``.
+    """Where the first inf or NaN of a step appeared (or that none did); falsy if none.
 
     Attributes:
       found: whether a non-finite value appeared; when ``False`` the other fields are
@@ -40,19 +38,16 @@ class OverflowReport:
       max_finite_input: the largest finite magnitude among the equation's floating
         inputs (``None`` when it has none): compare it with the dtype's maximum.
       inputs_finite: whether all of the inputs were finite. ``False`` with
-        ``primitive=None``: an argument of ``loss_fn`` (the batch or the params) already
-        held an inf or NaN that reaches the loss or a gradient. ``False`` with a
-        primitive: some input held inf/NaN that does not reach the reported entries
-        (a masked value), and the equation made a new one.
+        ``primitive=None``: an argument of ``loss_fn`` already held an inf/NaN that
+        matters; with a primitive: a masked inf/NaN, and the equation made a new one.
       loops: the ``("scan" | "while", iteration)`` pairs of the loops around it,
         outermost first (a layer stack scanned by ``nnx.scan`` / ``lax.scan``).
       equation: the equation as JAX prints it, shortened.
       reaches: what its non-finite output reaches: ``"loss"``, ``"gradients"`` or
         ``"loss and gradients"``.
-      notes: the non-finite values that were masked or selected away before they could
-        reach the loss or a gradient (a ``finfo.min`` mask fill that becomes ``-inf``
-        and then ``exp(-inf) = 0``, ``jnp.var``'s NaN constant): harmless, listed so
-        that nobody chases them. On a healthy report too.
+      notes: the non-finite values masked or selected away before they could reach the
+        loss or a gradient (a ``finfo.min`` mask fill that becomes ``-inf``, then
+        ``exp(-inf) = 0``): harmless, listed so that nobody chases them.
     """
 
     found: bool
@@ -97,9 +92,8 @@ class OverflowReport:
         if self.loops:
             lines.append("  loops:      " + ", ".join(f"{k} iteration {i}" for k, i in self.loops))
         if self.max_finite_input is not None:
-            top = float(np.finfo(self.dtype).max) if self.dtype else float("nan")
             lines.append(f"  largest finite input magnitude: {self.max_finite_input:.4g} "
-                         f"({self.dtype} max {top:.4g})")
+                         f"({self.dtype} max {float(jnp.finfo(self.dtype).max):.4g})")
         return "\n".join([*lines, *notes])
 
 
@@ -111,19 +105,14 @@ def find_overflow(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
                   has_aux: bool = False) -> OverflowReport:
     """Runs one step's forward and backward pass an op at a time; reports the first overflow.
 
-    A debugging tool, run eagerly on one batch and never compiled into a training step:
-    the loss is traced to a jaxpr, ``jax.vjp`` of the loss times ``scale`` is interpreted
-    equation by equation (descending into ``jit``, ``scan``, ``cond``, ``while``,
-    ``checkpoint``, ``custom_jvp`` and ``custom_vjp``; loops iteration by iteration),
-    forward pass first, and every inf or NaN is followed to where it ends up. The report
-    names the first equation whose non-finite output *reaches* the loss (forward) or a
-    gradient (backward). A non-finite value that is masked or selected away (a
-    ``where`` that picks the other branch, a ``max`` against a finite operand,
-    ``exp(-inf) = 0`` in a softmax, a reduction whose result stays finite) does not make
-    a step skip, so it is only listed in ``notes``. Differentiated as the recipes
-    differentiate: an ``nnx`` model by the optimizer's ``wrt`` filter (``nnx.Param``
-    without one), linen / plain params and Equinox modules by their floating-point
-    arrays. The model is not modified.
+    Eager, on one batch, never compiled into a training step: ``jax.vjp`` of the loss
+    times ``scale`` is interpreted equation by equation (inside ``jit``, ``scan``,
+    ``cond``, ``while``, ``checkpoint`` and custom rules), and every inf/NaN is followed
+    to where it ends up. The report names the first equation whose non-finite output
+    *reaches* the loss (forward) or a gradient (backward); one masked or selected away
+    (``exp(-inf) = 0`` in a softmax, a ``where``) does not make a step skip and is only
+    listed in ``notes``. Differentiated as the recipes differentiate (an nnx model by the
+    optimizer's ``wrt`` filter); the model is not modified. See debug/README.md.
 
     Args:
       loss_fn: ``loss_fn(params_or_model, *batch) -> loss`` (or ``(loss, aux)``).
@@ -151,54 +140,42 @@ def find_overflow(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
       False
     """
     p = _trace.problem(loss_fn, args, scale, has_aux)
-    skip = _trace.library_dirs()
-    scale_value = _trace.scale_value(p)
     records: dict[int, OverflowReport] = {}
 
-    def fresh(eqn: Any, invals: Sequence[Any], out: Any, where: Where) -> int:
-        key = len(records) + _interpret.ARGUMENT + 1
-        records[key] = _describe(eqn, invals, out, where, skip, scale_value)
-        return key
+    def fresh(key: int, eqn: Any, invals: Sequence[Any], out: Any, where: Where) -> None:
+        records[key] = _describe(eqn, invals, out, where, p.scale)
 
-    def visit(*_: Any) -> None:
-        pass
-
-    outcome = _trace.run(p, visit, fresh)
-    reaching = outcome.reaching()
-    notes = [f"{r.phase} {r.primitive} -> {r.dtype}{list(r.shape or ())} in "
-             f"{r.layer or '(top level)'} at {r.file}:{r.line}: masked or selected away"
-             for key, r in sorted(records.items()) if key not in reaching]
-    if len(notes) > _MAX_NOTES:
-        notes = [*notes[:_MAX_NOTES], f"... and {len(notes) - _MAX_NOTES} more"]
+    loss_origin, grad_origins = _trace.interpret_step(p, lambda *_: None, fresh)
+    reaching = _trace.reaching(loss_origin, grad_origins)
+    masked = [f"{r.phase} {r.primitive} -> {r.dtype}{list(r.shape or ())} in "
+              f"{r.layer or '(top level)'} at {r.file}:{r.line}: masked or selected away"
+              for key, r in sorted(records.items()) if key not in reaching]
+    notes = tuple(masked[:_MAX_NOTES]) + (
+        (f"... and {len(masked) - _MAX_NOTES} more",) if len(masked) > _MAX_NOTES else ())
     if not reaching:
-        return OverflowReport(found=False, scale=scale_value, notes=tuple(notes))
+        return OverflowReport(found=False, scale=p.scale, notes=notes)
     first = min(reaching)
-    in_loss = _holds(outcome.loss, first)
-    in_grads = any(_holds(o, first) for o in outcome.grads)
+    in_loss = first in _interpret.origin_ids(loss_origin)
+    in_grads = any(first in _interpret.origin_ids(o) for o in grad_origins)
     reaches = " and ".join(n for n, b in (("loss", in_loss), ("gradients", in_grads)) if b)
     if first == _interpret.ARGUMENT:
-        return OverflowReport(found=True, scale=scale_value, phase="forward",
-                              inputs_finite=False, reaches=reaches, notes=tuple(notes),
-                              equation=_ARGUMENT_TEXT)
-    return dataclasses.replace(records[first], reaches=reaches, notes=tuple(notes))
-
-
-def _holds(origin: Any, key: int) -> bool:
-    return origin is not None and bool(np.any(np.asarray(origin) == key))
+        return OverflowReport(found=True, scale=p.scale, phase="forward", inputs_finite=False,
+                              reaches=reaches, notes=notes, equation=_ARGUMENT_TEXT)
+    return dataclasses.replace(records[first], reaches=reaches, notes=notes)
 
 
 def _describe(eqn: Any, invals: Sequence[Any], out: Any, where: Where,
-              skip: Sequence[str], scale: float) -> OverflowReport:
-    floats = [jnp.asarray(x) for x in invals if _interpret.is_float(x)]
-    finite = [jnp.where(jnp.isfinite(x), jnp.abs(x), 0) for x in floats if x.size]
-    frame = _interpret.user_frame(eqn, skip)
+              scale: float) -> OverflowReport:
+    """The report on an equation that made a new inf/NaN (its inputs read on the host)."""
+    magnitudes = [np.abs(np.asarray(x)).astype(np.float64)
+                  for x in invals if _interpret.is_float(x)]
+    frame = _trace.user_frame(eqn)
     return OverflowReport(
-        found=True, scale=scale, phase=where.phase,
-        primitive=eqn.primitive.name,
-        file=frame.file_name if frame else None, line=frame.start_line if frame else None,
-        function=frame.function_name if frame else None,
-        layer="/".join(_interpret.scopes(where.name_stack)),
+        found=True, scale=scale, phase=where.phase, primitive=eqn.primitive.name,
+        file=frame and frame.file_name, line=frame and frame.start_line,
+        function=frame and frame.function_name, layer="/".join(where.scopes),
         name_stack=str(where.name_stack), dtype=str(out.dtype), shape=tuple(out.shape),
-        max_finite_input=max((float(jnp.max(x)) for x in finite), default=None),
-        inputs_finite=all(bool(jnp.all(jnp.isfinite(x))) for x in floats),
+        max_finite_input=max((float(np.where(np.isfinite(m), m, 0).max())
+                              for m in magnitudes if m.size), default=None),
+        inputs_finite=all(np.isfinite(m).all() for m in magnitudes),
         loops=where.loops, equation=str(eqn)[:_EQUATION_CHARS])

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,28 +23,15 @@ F16_TINY = float(np.finfo(np.float16).tiny)  # 2**-14, the smallest normal
 NARROW = ("float16", "bfloat16")
 # The powers of two the verdict tries: from float16's smallest normal to float32's largest.
 EXPONENTS = range(-14, 128)
-# Saturated values (a ``jnp.finfo(dtype).min`` mask fill) are masks, not activations.
-_FILLS = tuple(float(np.finfo(d).max) for d in (np.float16, np.float32, np.float64)) + (
-    float(jnp.finfo(jnp.bfloat16).max),)
-
-
-def headroom(magnitude: float, limit: float = F16_MAX) -> float:
-    """Powers of two between ``magnitude`` and ``limit`` (a dtype's largest value)."""
-    if magnitude == 0:
-        return math.inf
-    return math.log2(limit / magnitude) if math.isfinite(magnitude) else -math.inf
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerHeadroom:
     """One row of :class:`Float16Report`: a layer (or, outside any, a source line).
 
-    Each value is held to the range of the dtype it is computed in (float16 to 65504,
-    a float32 statistic of a float16 model to float32's), except in a report on a model
-    that computes nothing in float16 or bfloat16, where every value is held to float16's
-    range as if it were float16 (``Float16Report.hypothetical``). Values that do not
-    matter are left out: inf/NaN entries that reach neither the loss nor a gradient
-    (a masked ``-inf``) and saturated mask fills (``jnp.finfo(dtype).min``).
+    Each value is held to its own dtype's range (a float32 statistic of a float16 model
+    to float32's; every value to float16's in a ``hypothetical`` report). Masked inf/NaN
+    and saturated mask fills (``jnp.finfo(dtype).min``) are left out.
 
     Attributes:
       layer: the module path / ``named_scope`` (as in ``OverflowReport.layer``), or
@@ -85,20 +72,16 @@ class Float16Report:
     Attributes:
       rows: the :class:`LayerHeadroom` rows, sorted by ``headroom`` (ascending).
       scale: the loss scale of the backward pass the rows were measured at.
-      fits: whether the model trains in its dtype on this batch: whether, at some power of
-        two from 2**-14 to 2**127, the real step (``jax.value_and_grad`` of the loss
-        times that scale, compiled as training compiles it) gives a finite loss and
-        finite gradients. ``None`` in a hypothetical report (a float32 model: pass the
-        float16 one).
-      max_scale: the largest such power of two (found by bisection over the real step),
-        or ``None`` when none trains or in a hypothetical report.
+      fits: whether the real step (``jax.value_and_grad`` of the loss times a power of
+        two from 2**-14 to 2**127, compiled) gives a finite loss and gradients at some
+        scale on this batch; ``None`` in a hypothetical report.
+      max_scale: the largest such power of two, or ``None`` (none, or hypothetical).
       table_scale: the scale the rows predict: ``scale`` times 2 to the floor of the
         smallest backward headroom (``None`` without backward values or when one
         already overflowed). It can be below ``max_scale`` where the value that
         overflows first does not reach a gradient.
-      hypothetical: ``True`` when the model computes nothing in float16 or bfloat16
-        (a float32 model): the rows hold every value to float16's range as if it were
-        float16, and say nothing about which values a float16 model keeps in float32.
+      hypothetical: the model computes nothing in float16 or bfloat16: the rows hold
+        every value to float16's range as if it were float16 (see ``HYPOTHETICAL``).
       notes: what was left out of the rows (masked non-finite values, mask fills).
     """
 
@@ -151,19 +134,12 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
                    has_aux: bool = False) -> Float16Report:
     """Per layer, how close one step's values come to their dtype's limits; and the verdict.
 
-    Runs the batch as :func:`find_overflow` does (same arguments, same differentiation,
-    eagerly, op by op) and records every floating value of the forward pass and of the
-    backward pass of the loss times ``scale``, grouped by layer, each against the range
-    of the dtype it is computed in. Left out: inf/NaN that reach neither the loss nor a
-    gradient (a masked ``-inf``), saturated mask fills, and the multiplication by the
-    scale itself (float32, in ``loss_scaling.scale``).
-
-    The verdict (``fits``) and the largest safe scale (``max_scale``) are not read off
-    the table: they come from the real step, ``jax.value_and_grad`` of the loss times
-    a power of two, compiled once and run by bisection over the powers of two from
-    2**-14 to 2**127, as training would run it. Pass the float16 model (float16
-    compute, float32 params); on a float32 model the table is hypothetical (every value
-    held to float16's range) and there is no verdict.
+    Runs the batch as :func:`find_overflow` does and groups every floating value of the
+    forward and backward pass (of the loss times ``scale``) by layer, each against its
+    own dtype's range; masked inf/NaN, mask fills and the multiplication by the scale
+    are left out. The verdict (``fits``) and ``max_scale`` come from the real step
+    compiled once and bisected over 2**-14 .. 2**127, not from the table. Pass the
+    float16 model; on a float32 one the table is hypothetical and there is no verdict.
 
     Args:
       loss_fn, ``*args``, scale, has_aux: as for :func:`find_overflow`.
@@ -180,139 +156,126 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
       (True, 64.0, 64.0)
     """
     p = _trace.problem(loss_fn, args, scale, has_aux)
-    skip = _trace.library_dirs()
-    records: list[tuple[str, str, str, str, str, Any, Any]] = []
-    count = iter(range(_interpret.ARGUMENT + 1, 2**31 - 1))
-
-    def fresh(*_: Any) -> int:
-        return next(count)
-
+    values: list[_Value] = []
     def visit(eqn: Any, invals: Sequence[Any], outvals: Sequence[Any], where: Where,
               origins: Sequence[Any]) -> None:
-        names = _interpret.scopes(where.name_stack)
-        if _trace.SCALE_SCOPE in names:
+        if _trace.SCALE_SCOPE in where.scopes:
             return
-        frame = _interpret.user_frame(eqn, skip)
+        frame = _trace.user_frame(eqn)
         source = (f"{os.path.basename(frame.file_name)}:{frame.start_line} "
                   f"({frame.function_name})") if frame else "?"
         for out, origin in zip(outvals, origins, strict=True):
             if _interpret.is_float(out) and out.size:
-                records.append(("/".join(names) or source, where.phase, eqn.primitive.name,
-                                source, str(out.dtype), _reduce(out), origin))
+                values.append(_Value("/".join(where.scopes) or source, where.phase,
+                                     eqn.primitive.name, source, str(out.dtype),
+                                     *_magnitudes(out), _interpret.origin_ids(origin)))
 
-    outcome = _trace.run(p, visit, fresh)
-    reaching = outcome.reaching()
-    hypothetical = not any(r[1] == "forward" and r[4] in NARROW for r in records)
-    stats = [r[5] for r in records]
-    scale_value = _trace.scale_value(p)
-    notes = []
-    masked = sum(1 for r in records if r[6] is not None
-                 and not reaching & set(np.unique(np.asarray(r[6])).tolist()))
-    if masked:
-        notes.append(f"{masked} values held inf/NaN that reach neither the loss nor a "
-                     "gradient (masked away): left out")
-    fills = sum(int(s[3]) for s in stats)
-    if fills:
-        notes.append(f"{fills} saturated entries (at their dtype's largest magnitude, as a "
-                     "finfo.min mask fill is): left out")
-    table = _table([(*r[:5], s, r[6]) for r, s in zip(records, stats, strict=True)],
-                   scale_value, reaching, hypothetical)
-    if hypothetical:
-        return dataclasses.replace(table, notes=tuple(notes))
-    max_scale = largest_finite_scale(p)
-    return dataclasses.replace(table, fits=max_scale is not None, max_scale=max_scale,
-                               notes=tuple(notes))
+    reaching = _trace.reaching(*_trace.interpret_step(p, visit, lambda *_: None))
+    hypothetical = not any(v.phase == "forward" and v.dtype in NARROW for v in values)
+    masked = sum(1 for v in values if v.origins and not v.origins & reaching)
+    fills = sum(v.fills for v in values)
+    notes = tuple(text for count, text in (
+        (masked, f"{masked} values held inf/NaN that reach neither the loss nor a gradient "
+                 "(masked away): left out"),
+        (fills, f"{fills} saturated entries (at their dtype's largest magnitude, as a "
+                "finfo.min mask fill is): left out")) if count)
+    rows, table_scale = _rows(values, p.scale, reaching, hypothetical)
+    max_scale = None if hypothetical else largest_finite_scale(p)
+    return Float16Report(rows, p.scale, None if hypothetical else max_scale is not None,
+                         max_scale, table_scale, hypothetical, notes)
 
 
-_F32_FILLS = np.array(sorted({min(v, float(np.finfo(np.float32).max)) for v in _FILLS}),
-                      np.float32)
+class _Value(NamedTuple):
+    """One floating output of one equation, reduced on the host as it was computed."""
+
+    layer: str
+    phase: str
+    op: str
+    source: str
+    dtype: str
+    top: float  # the largest finite magnitude that is not a mask fill
+    small: int  # nonzero entries below float16's smallest normal
+    zero: int
+    fills: int  # entries at a dtype's largest magnitude (a finfo.min mask fill)
+    size: int
+    origins: set[int]  # the equations whose inf/NaN it carries
 
 
-def _reduce(x: Any) -> tuple[float, int, int, int, int]:
-    """The finite maximum, the small entries, the zeros, the saturated ones, the size.
+# Saturated values (a ``jnp.finfo(dtype).min`` mask fill) are masks, not activations.
+_FILLS = np.array([F16_MAX, jnp.finfo(jnp.bfloat16).max, np.finfo(np.float32).max], np.float32)
+
+
+def _magnitudes(x: Any) -> tuple[float, int, int, int, int]:
+    """``_Value``'s top, small, zero, fills and size.
 
     Read on the host (an eager or jitted reduction would compile once per shape and
     dtype, the bulk of a first run's time). Non-finite entries count as none of these
-    (whether they matter is known at the end of the run); saturated entries (a dtype's
-    largest magnitude: a mask fill) are counted apart.
+    (whether they matter is known at the end of the run).
     """
     magnitude = np.abs(np.asarray(x)).astype(np.float32)
-    fill = np.isin(magnitude, _F32_FILLS)
-    finite = np.isfinite(magnitude) & ~fill
-    kept = magnitude[finite]
+    fill = np.isin(magnitude, _FILLS)
+    kept = magnitude[np.isfinite(magnitude) & ~fill]
     top = float(kept.max()) if kept.size else 0.0
     small = int(np.count_nonzero((kept > 0) & (kept < F16_TINY)))
     return top, small, int(np.count_nonzero(kept == 0)), int(np.count_nonzero(fill)), x.size
 
 
-def _table(records: list[tuple[str, str, str, str, str, Any, Any]], scale: float,
-           reaching: set[int], hypothetical: bool) -> Float16Report:
-    layers: dict[str, dict[str, Any]] = {}
-    for layer, phase, op, source, dtype, (top, small, zero, _, size), origin in records:
-        limit = F16_MAX if hypothetical else float(jnp.finfo(dtype).max)
-        top = float(top)
-        if origin is not None and reaching & set(np.unique(np.asarray(origin)).tolist()):
-            top = math.inf  # a non-finite value that reaches the loss or a gradient
-        room = headroom(top, limit)
-        row = layers.setdefault(layer, {"forward": (math.inf, 0.0, "", ""),
-                                        "backward": (math.inf, 0.0, "", ""),
-                                        "small": 0, "zero": 0, "size": 0})
-        if room < row[phase][0] or not row[phase][2]:
-            row[phase] = (room, top, f"{op} {_short(dtype)}", source)
-        if phase == "backward" and (hypothetical or dtype in NARROW):
-            row["small"] += int(small)
-            row["zero"] += int(zero)
-            row["size"] += int(size)
-    rows = [_row(layer, row) for layer, row in layers.items()]
+def _rows(values: list[_Value], scale: float, reaching: set[int],
+          hypothetical: bool) -> tuple[tuple[LayerHeadroom, ...], float | None]:
+    """The rows, tightest first, and the scale they predict (``table_scale``)."""
+    def rated(v: _Value) -> tuple[float, float, _Value]:  # (headroom, max, value)
+        if v.origins & reaching:  # an inf/NaN that reaches the loss or a gradient
+            return -math.inf, math.inf, v
+        limit = F16_MAX if hypothetical else float(jnp.finfo(v.dtype).max)
+        return (math.log2(limit / v.top) if v.top else math.inf), v.top, v
+
+    by_layer: dict[str, list[_Value]] = {}
+    for v in values:
+        by_layer.setdefault(v.layer, []).append(v)
+    rows = []
+    for layer, mine in by_layer.items():
+        (fwd_room, fwd, fwd_v), (bwd_room, bwd, bwd_v) = (
+            min((rated(v) for v in mine if v.phase == phase), key=lambda r: r[0],
+                default=(math.inf, 0.0, None)) for phase in ("forward", "backward"))
+        limiting = fwd_v if fwd_room <= bwd_room else bwd_v
+        flushed = [v for v in mine if v.phase == "backward" and (hypothetical or v.dtype in NARROW)]
+        size = max(sum(v.size for v in flushed), 1)
+        rows.append(LayerHeadroom(
+            layer, fwd, bwd, fwd_room, bwd_room, min(fwd_room, bwd_room),
+            sum(v.small for v in flushed) / size, sum(v.zero for v in flushed) / size,
+            f"{limiting.op} {limiting.dtype.replace('float', 'f')}" if limiting else "",
+            limiting.source if limiting else ""))
     rows.sort(key=lambda r: r.headroom)
     tightest = min((r.backward_headroom for r in rows if r.backward_max > 0), default=None)
-    table_scale = None  # no backward values, or some already overflowed at this scale
-    if tightest is not None and math.isfinite(tightest):
-        table_scale = scale * 2.0 ** math.floor(tightest)
-    return Float16Report(tuple(rows), scale, None, None, table_scale, hypothetical)
-
-
-def _short(dtype: str) -> str:
-    return {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}.get(
-        dtype, dtype)
-
-
-def _row(layer: str, row: dict[str, Any]) -> LayerHeadroom:
-    (fwd_room, fwd, fwd_op, fwd_src), (bwd_room, bwd, bwd_op, bwd_src) = (row["forward"],
-                                                                          row["backward"])
-    op, source = (fwd_op, fwd_src) if fwd_room <= bwd_room else (bwd_op, bwd_src)
-    size = max(row["size"], 1)
-    return LayerHeadroom(layer, fwd, bwd, fwd_room, bwd_room, min(fwd_room, bwd_room),
-                         row["small"] / size, row["zero"] / size, op, source)
-
-
-def finite_step(p: _trace.Problem) -> Callable[[float], bool]:
-    """Whether the real step, compiled once, gives a finite loss and gradients at a scale."""
-    leaves, scaled = _trace.scaled_loss_fn(p, scopes=False)
-    template = scalers.StaticLossScale(1.0)
-
-    @jax.jit
-    def finite(xs: list[Any], s: Any) -> Any:
-        scaler = jax.tree.map(lambda _: s, template)
-        loss, grads = jax.value_and_grad(lambda ys: scaled(ys, scaler))(xs)
-        return jnp.isfinite(loss) & tree.all_finite(grads)
-
-    return lambda s: bool(finite(leaves, jnp.float32(s)))
+    if tightest is None or not math.isfinite(tightest):  # none, or one already overflowed
+        return tuple(rows), None
+    return tuple(rows), scale * 2.0 ** math.floor(tightest)
 
 
 def largest_finite_scale(p: _trace.Problem) -> float | None:
     """The largest power of two in :data:`EXPONENTS` at which the real step is finite.
 
-    Bisection: the step is taken to be finite at every power below one where it is
-    finite (cotangents grow with the scale). ``None`` when it is finite at none.
+    The step (``jax.value_and_grad`` of the loss times the scale) is compiled once and
+    bisected: finite at a power of two is taken as finite at every power below it
+    (cotangents grow with the scale). ``None`` when it is finite at none.
     """
-    finite = finite_step(p)
+    leaves, loss_times_scale = _trace.scaled_loss_fn(p, scopes=False)
+
+    @jax.jit
+    def finite_at(xs: list[Any], s: Any) -> Any:
+        scaler = jax.tree.map(lambda _: s, scalers.StaticLossScale(1.0))
+        loss, grads = jax.value_and_grad(lambda ys: loss_times_scale(ys, scaler))(xs)
+        return jnp.isfinite(loss) & tree.all_finite(grads)
+
+    def finite(exponent: int) -> bool:
+        return bool(finite_at(leaves, jnp.float32(2.0**exponent)))
+
     lo, hi = EXPONENTS[0], EXPONENTS[-1]
-    if finite(2.0**hi):
+    if finite(hi):
         return 2.0**hi
-    if not finite(2.0**lo):
+    if not finite(lo):
         return None
     while hi - lo > 1:  # finite at lo, not at hi
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if finite(2.0**mid) else (lo, mid)
+        lo, hi = (mid, hi) if finite(mid) else (lo, mid)
     return 2.0**lo
