@@ -125,8 +125,8 @@ def test_one_scalar_collective(results):
     assert scenario(results, "all_finite")["collectives"] == ["pmin"]
     for combination, names in scenario(results, "step_collectives").items():
         # The wrapper's whole step (no user pmean): one scalar pmin on a healthy step (the
-        # CPU screen, see wrapper/screen.finite_leaves); the exact per-leaf test and its pmin
-        # run under a conditional, only when the screen fails.
+        # CPU screen, `finite_leaves` in `wrapper/screen.py`); the exact per-leaf test and
+        # its pmin run under a conditional, only when the screen fails.
         assert [n for n in names if not n.startswith("cond/")] == ["pmin"], combination
         assert set(names) <= {"pmin", "cond/pmin"}, combination
 
