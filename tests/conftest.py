@@ -119,8 +119,40 @@ NUMERICS_TESTS = (
 )
 
 
+# The order in which CI's two workers start the work (`--dist loadscope
+# --no-loadscope-reorder`: a file's tests are one unit, a test class's too, handed out in
+# collection order): the longest first, so that no long unit starts last and runs alone at
+# the end. Each notebook's execution is a class of tests/test_notebooks.py: a unit of its own.
+LONGEST_FIRST = (
+    "tests/distributed/",  # the 8-device worker
+    "tests/test_notebooks.py::TestDiagnosticsAndGuards",
+    "tests/multihost/",  # launches of 2 processes and their references
+    "tests/test_notebooks.py::TestMixedPrecisionTraining",
+    "tests/test_policy_runs.py",
+    "tests/test_docs.py",  # builds the site
+    "tests/test_exactness.py",
+    "tests/test_transform.py",
+    "tests/test_static_checks.py",  # mypy
+    "tests/test_restore_devices.py",
+    "tests/test_torch_reference.py",
+    "tests/test_notebooks.py::TestHeadroomAndReplay",
+    "tests/test_notebooks.py::TestScalerDynamics",
+    "tests/test_demo.py",
+    "tests/test_checkpoint.py",
+    "tests/test_overflow.py",
+    "tests/test_nnx.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = config.rootpath
+
+    def rank(item: pytest.Item) -> int:
+        scope = item.nodeid.rsplit("::", 1)[0]  # xdist's unit: the file, or the class
+        return next((i for i, p in enumerate(LONGEST_FIRST) if scope.startswith(p)),
+                    len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: the files keep their order among equals
 
     def node_of(item: pytest.Item) -> tuple[str, str]:
         path = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""

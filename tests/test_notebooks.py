@@ -37,8 +37,7 @@ def test_committed_executed_and_small(path):
     assert path.stat().st_size < 600_000
 
 
-@pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
-def test_executes_without_errors(path):
+def execute(path: pathlib.Path) -> None:
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
         nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
@@ -50,3 +49,32 @@ def test_executes_without_errors(path):
               if o.output_type == "error"]
     assert not errors
     print(f"{path.name}: executed in {elapsed:.1f}s")
+
+
+# One class per notebook: under `--dist loadscope` (pyproject.toml) a class is a unit of
+# work of its own, so that the notebooks execute on both workers at once.
+class _Executes:
+    stem = ""
+
+    def test_executes_without_errors(self):
+        execute(NOTEBOOKS / f"{self.stem}.ipynb")
+
+
+class TestScalerDynamics(_Executes):
+    stem = "01_scaler_dynamics"
+
+
+class TestMixedPrecisionTraining(_Executes):
+    stem = "02_mixed_precision_training"
+
+
+class TestDiagnosticsAndGuards(_Executes):
+    stem = "03_diagnostics_and_guards"
+
+
+class TestHeadroomAndReplay(_Executes):
+    stem = "04_headroom_and_replay"
+
+
+def test_every_notebook_executes_in_a_class_of_its_own():
+    assert sorted(c.stem for c in _Executes.__subclasses__()) == [p.stem for p in PATHS]

@@ -54,7 +54,11 @@ METRICS = ("loss_scale", "growth_tracker", "skipped_steps", "consecutive_skips",
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("distributed") / "results.pkl"
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {XLA_FLAGS}".strip()}
+    # The worker imports this checkout's loss_scaling (not another one an editable install
+    # points at).
+    path = os.pathsep.join([str(WORKER.parents[2]), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {XLA_FLAGS}".strip(),
+           "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, str(WORKER), "--out", str(out)], env=env,
                           capture_output=True, text=True, timeout=900)
     if proc.returncode != 0 or not out.exists():
