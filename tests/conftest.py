@@ -11,6 +11,8 @@ also carry ``@pytest.mark.slow`` itself.
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
 # Every test of these modules (paths relative to the repository root).
@@ -179,3 +181,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 SLOW_FIXTURES_SET = frozenset(SLOW_FIXTURES)
+NUMERICS_FILES = frozenset(NUMERICS_MODULES) | {t.split("::")[0] for t in NUMERICS_TESTS}
+
+
+def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) -> bool | None:
+    """``pytest -m numerics`` (.ci/run's second pass) collects only the files that hold
+    numerics tests: importing the other test modules on each worker costs more than the
+    tests themselves."""
+    if config.option.markexpr != "numerics" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    path = collection_path.relative_to(config.rootpath).as_posix()
+    return None if path.startswith(tuple(NUMERICS_FILES)) else True
