@@ -127,8 +127,10 @@ def page_table(title: str) -> list[dict[str, str]]:
     lines = [line.strip() for line in page_section(title).splitlines()
              if line.strip().startswith("|")]
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
-    header, rows = cells[0], [r for r in cells[2:] if len(r) == len(cells[0])]
+    header, rows = cells[0], cells[2:]
     assert set(cells[1]) <= {"---", ":---", "---:", ":---:"}, f"{title}: not a table"
+    bad = [" | ".join(r) for r in rows if len(r) != len(header)]
+    assert not bad, f"{title}: rows without the {len(header)} columns {header}: {bad}"
     return [dict(zip(header, row, strict=True)) for row in rows]
 
 
@@ -191,17 +193,14 @@ def test_every_module_owns_something():
 # ---------------------------------------------------------------- modules -> tests
 
 
-def test_files(row: dict[str, str]) -> list[str]:
+def named_tests(row: dict[str, str]) -> list[str]:
     return ticked(row["tests"])
 
 
-test_files.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
-
-
 def test_every_module_has_a_test_file_and_every_named_test_file_exists():
-    missing = [ticked(r["module"])[0] for r in MODULE_ROWS if not test_files(r)]
+    missing = [ticked(r["module"])[0] for r in MODULE_ROWS if not named_tests(r)]
     assert not missing, f"modules with no test file: {missing}"
-    absent = sorted({f for r in MODULE_ROWS for f in test_files(r) if not (TESTS / f).is_file()})
+    absent = sorted({f for r in MODULE_ROWS for f in named_tests(r) if not (TESTS / f).is_file()})
     assert not absent, f"named test files that do not exist under tests/: {absent}"
 
 
@@ -279,7 +278,7 @@ def test_each_named_test_file_refers_to_its_module(row):
     path = ticked(row["module"])[0]
     if path not in BY_PATH:
         pytest.fail(f"{path}: no such module (stale row)")
-    silent = [f for f in test_files(row)
+    silent = [f for f in named_tests(row)
               if (TESTS / f).is_file() and not refers_to(TESTS / f, BY_PATH[path])]
     assert not silent, (f"{path}: these test files neither import it, name its path, use a "
                         f"name it defines nor quote a message it writes: {silent}")
@@ -346,12 +345,16 @@ def test_a_layer_without_frameworks_reaches_none_through_its_imports(layer):
 
 def test_the_core_imports_no_integration_and_no_optional_framework():
     # The page's layers, read from the other side: what the core layers reach.
-    core = [n for n in MODULES if not LAYERS[layer_of(n) or ""].frameworks
+    def frameworks(name: str) -> tuple[str, ...]:
+        layer = LAYERS.get(layer_of(name) or "")
+        return layer.frameworks if layer else ()
+
+    core = [n for n in MODULES if not frameworks(n)
             and layer_of(n) not in ("root", "aliases", "demo", "debug")]
     # (the integrations' map, `integrations/__init__.py`: the core never imports them)
     assert "loss_scaling.core.numerics" in core  # the rule reads the real tree
     offenders = [f"{n} imports {m}" for n in core for m in INTERNAL[n]
-                 if LAYERS[layer_of(m) or ""].frameworks or layer_of(m) in ("aliases", "debug")]
+                 if frameworks(m) or layer_of(m) in ("aliases", "debug")]
     offenders += [f"{n} imports {f}" for n in core for f in frameworks_of(IMPORTS[n])]
     assert not offenders, offenders
 
