@@ -11,6 +11,8 @@ also carry ``@pytest.mark.slow`` itself.
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
 # Every test of these modules (paths relative to the repository root).
@@ -119,8 +121,40 @@ NUMERICS_TESTS = (
 )
 
 
+# The order in which CI's two workers start the work (`--dist loadscope
+# --no-loadscope-reorder`: a file's tests are one unit, a test class's too, handed out in
+# collection order): the longest first, so that no long unit starts last and runs alone at
+# the end. Each notebook's execution is a class of tests/test_notebooks.py: a unit of its own.
+LONGEST_FIRST = (
+    "tests/distributed/",  # the 8-device worker
+    "tests/test_notebooks.py::TestDiagnosticsAndGuards",
+    "tests/multihost/",  # launches of 2 processes and their references
+    "tests/test_notebooks.py::TestMixedPrecisionTraining",
+    "tests/test_policy_runs.py",
+    "tests/test_docs.py",  # builds the site
+    "tests/test_exactness.py",
+    "tests/test_transform.py",
+    "tests/test_static_checks.py",  # mypy
+    "tests/test_restore_devices.py",
+    "tests/test_torch_reference.py",
+    "tests/test_notebooks.py::TestHeadroomAndReplay",
+    "tests/test_notebooks.py::TestScalerDynamics",
+    "tests/test_demo.py",
+    "tests/test_checkpoint.py",
+    "tests/test_overflow.py",
+    "tests/test_nnx.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = config.rootpath
+
+    def rank(item: pytest.Item) -> int:
+        scope = item.nodeid.rsplit("::", 1)[0]  # xdist's unit: the file, or the class
+        return next((i for i, p in enumerate(LONGEST_FIRST) if scope.startswith(p)),
+                    len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: the files keep their order among equals
 
     def node_of(item: pytest.Item) -> tuple[str, str]:
         path = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
@@ -147,3 +181,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 SLOW_FIXTURES_SET = frozenset(SLOW_FIXTURES)
+NUMERICS_FILES = frozenset(NUMERICS_MODULES) | {t.split("::")[0] for t in NUMERICS_TESTS}
+
+
+def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) -> bool | None:
+    """``pytest -m numerics`` (.ci/run's second pass) collects only the files that hold
+    numerics tests: importing the other test modules on each worker costs more than the
+    tests themselves."""
+    if config.option.markexpr != "numerics" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    path = collection_path.relative_to(config.rootpath).as_posix()
+    return None if path.startswith(tuple(NUMERICS_FILES)) else True

@@ -54,7 +54,11 @@ METRICS = ("loss_scale", "growth_tracker", "skipped_steps", "consecutive_skips",
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("distributed") / "results.pkl"
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {XLA_FLAGS}".strip()}
+    # The worker imports this checkout's loss_scaling (not another one an editable install
+    # points at).
+    path = os.pathsep.join([str(WORKER.parents[2]), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {XLA_FLAGS}".strip(),
+           "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, str(WORKER), "--out", str(out)], env=env,
                           capture_output=True, text=True, timeout=900)
     if proc.returncode != 0 or not out.exists():
@@ -125,8 +129,8 @@ def test_one_scalar_collective(results):
     assert scenario(results, "all_finite")["collectives"] == ["pmin"]
     for combination, names in scenario(results, "step_collectives").items():
         # The wrapper's whole step (no user pmean): one scalar pmin on a healthy step (the
-        # CPU screen, see wrapper/screen.finite_leaves); the exact per-leaf test and its pmin
-        # run under a conditional, only when the screen fails.
+        # CPU screen, `finite_leaves` in `wrapper/screen.py`); the exact per-leaf test and
+        # its pmin run under a conditional, only when the screen fails.
         assert [n for n in names if not n.startswith("cond/")] == ["pmin"], combination
         assert set(names) <= {"pmin", "cond/pmin"}, combination
 
