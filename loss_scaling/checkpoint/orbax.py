@@ -270,13 +270,9 @@ def restore(
         **{STATE_ITEM: ocp.args.StandardRestore(target)}))[STATE_ITEM]
     arrays = _values(_get(restored, key, path))
     for name, expected in _values(saved_scaler).items():  # float32 / int32, as saved
-        got = arrays[name]
-        if got.dtype != expected.dtype:  # _in_own_dtypes asked for the saved dtype
-            raise ValueError(
-                f"the arrays of step {step} hold the loss scale's {name} as {got.dtype}, "
-                f"saved as {expected.dtype}: restore it in {expected.dtype} (the restore "
-                "target's leaf for it must have that dtype).")
-        if not np.array_equal(got.view(np.uint32), expected.view(np.uint32)):  # NaN == NaN
+        got = arrays[name]  # in the saved dtype: _in_own_dtypes asked for it
+        if got.dtype != expected.dtype or not (  # every replica, bitwise (NaN == NaN)
+                got.view(np.uint32) == expected.view(np.uint32)).all():
             raise ValueError(
                 f"the checkpoint of step {step} is corrupted: its arrays say {name} "
                 f"{show(got.tolist())}, its loss-scale JSON says "
