@@ -1,5 +1,4 @@
-"""Comparing a saved configuration with the target's, and adopting the target's.
-"""
+"""Comparing a saved configuration with the target's, and adopting the target's."""
 
 from __future__ import annotations
 
@@ -9,53 +8,45 @@ from typing import Any
 
 import jax
 
-from loss_scaling.checkpoint._values import _USE_RESTORE_WITH_CONFIG, place_like
 from loss_scaling.checkpoint.state_dict import (
     _build,
     _concrete,
     _kind,
     _parse,
     _static_factor,
+    place_like,
     state_dict,
 )
 from loss_scaling.core.scalers import DynamicLossScale, LossScale, StaticLossScale
-from loss_scaling.core.validation import (
-    DynamicConfig,
-    scale_range,
+from loss_scaling.core.validation import DynamicConfig, scale_in_range, scale_range
+
+USE_RESTORE_WITH_CONFIG = (
+    "To keep the saved loss scale and counters under the target's configuration, use "
+    "`loss_scaling.restore_with_config(saved, target)` (on a whole optimizer state or "
+    "TrainState: `loss_scaling.restore_loss_scale(state, saved, adopt_config=True)`); to "
+    "keep the saved configuration, build the optimizer with it."
 )
-
-
-def _saved_parts(saved: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
-    return _parse(saved if isinstance(saved, Mapping) else state_dict(saved))
 
 
 def _config_differences(saved: Any, target: LossScale) -> list[str]:
     """Every field on which ``saved`` and ``target`` disagree, as readable lines."""
     target_kind = _kind(target)
-    if isinstance(saved, Mapping):
-        saved_kind, saved_config, _ = _parse(saved)
-    else:
-        saved_kind = _kind(saved)
-        saved_config = saved.config if isinstance(saved, DynamicLossScale) else None
+    saved_kind, saved_config, values = _parse(
+        saved if isinstance(saved, Mapping) else state_dict(saved))
     if saved_kind != target_kind:
         return [f"kind: saved {saved_kind!r}, target {target_kind!r}"]
     if isinstance(target, StaticLossScale):
         # A static factor is configuration held in a leaf: compared, never adopted silently.
-        saved_factor = (_parse(saved)[2]["loss_scale"] if isinstance(saved, Mapping)
-                        else _static_factor(saved))
-        target_factor = _static_factor(target)
-        if None not in (saved_factor, target_factor) and saved_factor != target_factor:
+        saved_factor, target_factor = values["loss_scale"], _static_factor(target)
+        if target_factor is not None and saved_factor != target_factor:
             return [f"loss_scale (a StaticLossScale's factor): saved {saved_factor!r}, "
                     f"target {target_factor!r}"]
-        return []
     if saved_config is None or not isinstance(target, DynamicLossScale):
         return []
-    return [
-        f"{f.name}: saved {getattr(saved_config, f.name)!r}, "
-        f"target {getattr(target.config, f.name)!r}"
-        for f in dataclasses.fields(DynamicConfig)
-        if getattr(saved_config, f.name) != getattr(target.config, f.name)
-    ]
+    return [f"{f.name}: saved {getattr(saved_config, f.name)!r}, "
+            f"target {getattr(target.config, f.name)!r}"
+            for f in dataclasses.fields(DynamicConfig)
+            if getattr(saved_config, f.name) != getattr(target.config, f.name)]
 
 
 def check_same_config(saved: LossScale | Mapping[str, Any], target: LossScale) -> None:
@@ -95,36 +86,29 @@ def check_same_config(saved: LossScale | Mapping[str, Any], target: LossScale) -
         loss_scale (a StaticLossScale's factor): saved 128.0, target 1024.0
       ...
     """
-    refuse_differences(saved, target, _USE_RESTORE_WITH_CONFIG)
+    refuse_differences(saved, target, USE_RESTORE_WITH_CONFIG)
 
 
 def refuse_differences(saved: LossScale | Mapping[str, Any], target: LossScale,
                        fix: str) -> None:
-    """:func:`check_same_config` with the fix its caller offers (``orbax_restore`` names
-    its own ``adopt_config=True``)."""
+    """:func:`check_same_config` with the caller's fix (Orbax names its own)."""
     differences = _config_differences(saved, target)
     if differences:
-        raise ValueError(
-            "the saved loss-scale configuration differs from the target's:\n  "
-            + "\n  ".join(differences) + "\n" + fix
-        )
+        raise ValueError("the saved loss-scale configuration differs from the target's:\n  "
+                         + "\n  ".join(differences) + "\n" + fix)
 
 
 def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale) -> LossScale:
     """The saved values under the target's configuration: the explicit way to adopt it.
 
-    Use it to resume a run with new loss-scale settings (say a shorter
-    ``growth_interval``) while keeping the scale and counters the run had reached. The
-    result has ``target``'s configuration and ``saved``'s ``loss_scale``; the counters are
-    clamped into the new configuration's range (``growth_tracker`` to at most
-    ``growth_interval - 1``, ``nonfinite_tracker`` to at most ``hysteresis``). Into a
-    ``growth="headroom"`` target, the saved gradient-max history is kept if its window
-    has the target's length (else the window starts over, empty) and the ceiling is
-    clamped into the target's range; into an interval target, they are dropped. The scale
-    is not clamped: one outside the target's ``[min_scale, max_scale]`` is an error.
-    ``target``'s own values are not used, with one exception: a ``StaticLossScale``'s
-    factor *is* its configuration, so the result has the target's factor (the saved one
-    when the target is abstract, e.g. from ``jax.eval_shape``, and has no value).
+    The result has ``target``'s configuration and ``saved``'s ``loss_scale``; the counters
+    are clamped into the new ranges (``growth_tracker <= growth_interval - 1``,
+    ``nonfinite_tracker <= hysteresis``); the scale is not: one outside the target's
+    ``[min_scale, max_scale]`` is an error. Into a ``growth="headroom"`` target the saved
+    gradient-max history is kept if its window has the target's length (else it starts
+    over) and the ceiling is clamped into the target's range. A ``StaticLossScale``'s
+    factor *is* its configuration: the result has the target's (the saved one when the
+    target is abstract and has no value).
 
     Args:
       saved: the saved state, as a loss-scale state or a dict from :func:`state_dict`
@@ -155,13 +139,11 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
       1024.0
     """
     target_kind = _kind(target)
-    kind, _, values = _saved_parts(saved)
+    kind, _, values = _parse(saved if isinstance(saved, Mapping) else state_dict(saved))
     if kind != target_kind:
-        raise ValueError(
-            f"kind: saved {kind!r}, target {target_kind!r}. restore_with_config keeps the "
-            "kind; to change it, build the new state from the saved scale, e.g. "
-            "`ls.StaticLossScale(float(saved.loss_scale))`."
-        )
+        raise ValueError(f"kind: saved {kind!r}, target {target_kind!r}. restore_with_config "
+                         "keeps the kind; to change it, build the new state from the saved "
+                         "scale, e.g. `ls.StaticLossScale(float(saved.loss_scale))`.")
     if isinstance(target, StaticLossScale):
         # The factor is the static scale's configuration: the target's wins (the saved one
         # when the target is abstract and has none).
@@ -172,16 +154,8 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
         return _build(kind, None, values)
     config = target.config
     scale = values["loss_scale"]
-    if config.min_scale is not None and scale < config.min_scale:
-        raise ValueError(
-            f"the saved loss_scale ({scale!r}) is below the target's min_scale "
-            f"({config.min_scale!r}); lower min_scale or keep the saved configuration."
-        )
-    if config.max_scale is not None and scale > config.max_scale:
-        raise ValueError(
-            f"the saved loss_scale ({scale!r}) is above the target's max_scale "
-            f"({config.max_scale!r}); raise max_scale or keep the saved configuration."
-        )
+    scale_in_range("the saved loss_scale", scale, config, where="the target's ",
+                   fix=" Widen the target's range, or keep the saved configuration.")
     return _in_layout(_build("dynamic", config, {
         "loss_scale": scale,
         "growth_tracker": min(values["growth_tracker"], config.growth_interval - 1),

@@ -1,13 +1,9 @@
 """``flax.serialization`` of the scaler states: one checked record (values, shape, CRC-32).
 
-Importing this module registers the three scaler classes. ``to_state_dict`` /
-``to_bytes`` store a static or dynamic scaler as one record (bytes: its values, their
-shape and a CRC-32; placeholders and tracers by name); ``from_state_dict`` /
-``from_bytes`` restore it into a target, keeping the *target's* configuration and layout,
-the values range-checked by :mod:`loss_scaling.core.validation`. Why a checksum: a
-flipped bit of the scale's float32 is usually another valid, in-range scale, which no
-range check can tell from the saved one. :func:`from_bytes` also turns msgpack's own
-decoding errors into a ``ValueError``.
+Importing this module registers the three scaler classes with ``flax.serialization``. A
+restore keeps the *target's* configuration and layout and checks the values with
+:mod:`loss_scaling.core.validation`; :func:`from_bytes` also turns msgpack's own decoding
+errors into a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -32,7 +28,7 @@ from loss_scaling.core.scalers import (
     StaticLossScale,
     leaf_names,
 )
-from loss_scaling.core.validation import counter_ranges, history_problem, scale_range
+from loss_scaling.core.validation import counter_in_range, history_in_range, scale_in_range
 from loss_scaling.wrapper.state import LossScalingState
 
 PRE_LOSS_SCALING = (
@@ -43,9 +39,6 @@ PRE_LOSS_SCALING = (
     "tx.init(params)._replace(inner_state=old_opt_state)`: see \"Starting loss scaling "
     "from an existing checkpoint\" in docs/checkpoints.md."
 )
-
-
-# ------------------------------------------------------------------ flax.serialization
 
 _SCALER_CLASSES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 
@@ -165,14 +158,6 @@ def _flax_error(message: str) -> RestoreError:
     return RestoreError(f"{_FLAX_ERROR}{path!r}: {message}")
 
 
-def _expected_shape(target: LossScale, target_leaf: Any, name: str) -> tuple[int, ...]:
-    """The shape a restored leaf must have: the target's (its replica or device axes
-    included); a None placeholder stands for an unreplicated leaf."""
-    if target_leaf is not None:
-        return tuple(np.shape(target_leaf))
-    return () if name != "grad_max_history" else (_window(target) or 0,)
-
-
 def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
     """Checks a concrete restored leaf against the target's layout and configuration.
 
@@ -195,75 +180,56 @@ def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
         raise _flax_error(
             f"{name} must be {'an integer' if integer else 'a floating'} array, got "
             f"{show(value)} of dtype {array.dtype}.")
-    expected = _expected_shape(target, target_leaf, name)
+    # The target's shape (replica axes included); a None placeholder: an unreplicated leaf.
+    expected = tuple(np.shape(target_leaf)) if target_leaf is not None else (
+        () if name != "grad_max_history" else (_window(target) or 0,))
     if array.shape != expected:
         raise _flax_error(
             f"{name} has shape {array.shape}, the target's has shape {expected}: restore into "
             "a target of the saved layout (a pmap-replicated state has a leading device "
             "axis: replicate the target with flax.jax_utils.replicate, or save one replica).")
+    config = target.config if isinstance(target, DynamicLossScale) else None
+    try:
+        if integer:
+            assert config is not None  # the only kind with integer leaves
+            counter_in_range(name, array, config, config_name="the target's ", fix=(
+                " If the saved configuration differs, restore the saved state with its own "
+                "configuration and adopt the new one with `loss_scaling.restore_with_config`."))
+        elif name == "grad_max_history":
+            history_in_range(name, array)
+        else:
+            scale_in_range(name, array, config, where="the target's ")
+    except ValueError as error:
+        raise _flax_error(str(error)) from None
+    if isinstance(target, StaticLossScale) and _concrete(target_leaf):
+        configured = _host_array(target_leaf).astype(np.float32)
+        if not np.array_equal(array.astype(np.float32), configured):
+            raise _flax_error(
+                f"loss_scale: saved {show(array.tolist())}, the target's StaticLossScale "
+                f"factor is {show(configured.tolist())}. A static factor is configuration: "
+                "build the target with the saved factor, or restore into a placeholder "
+                "(`jax.tree.map(lambda _: None, target)`) and adopt the new one with "
+                "`loss_scaling.restore_with_config`.")
     dtype = np.int32 if integer else np.float32
-    if integer:
-        _check_counter(target, name, array, value)
-    elif name == "grad_max_history":
-        problem = history_problem(array)
-        if problem is not None:
-            raise _flax_error(f"grad_max_history: {problem}, got {show(value)}.")
-    else:
-        _check_scale(target, target_leaf, array, value, name)
     if isinstance(value, jax.Array) and value.dtype == dtype:
         return value
     return jnp.asarray(array.astype(dtype))
 
 
-def _check_counter(target: LossScale, name: str, array: np.ndarray, value: Any) -> None:
-    assert isinstance(target, DynamicLossScale)  # the only kind with integer leaves
-    low, high, _ = counter_ranges(target.config)[name]
-    if not (array.min(initial=low) >= low and array.max(initial=low) <= high):
-        raise _flax_error(
-            f"{name} must lie in [{low}, {high}] for the target's configuration, got "
-            f"{show(value)}. If the saved configuration differs, restore the saved "
-            "state with its own configuration and adopt the new one with "
-            "`loss_scaling.restore_with_config`.")
-
-
-def _check_scale(target: LossScale, target_leaf: Any, array: np.ndarray, value: Any,
-                 name: str = "loss_scale") -> None:
-    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        as_f32 = array.astype(np.float32)
-    low, high = scale_range(target.config if isinstance(target, DynamicLossScale) else None)
-    if not np.all(np.isfinite(as_f32) & (as_f32 >= low) & (as_f32 <= high)):
-        raise _flax_error(
-            f"{name} must be a finite, positive, normal float32 in [{low!r}, "
-            f"{high!r}] (the target's range), got {show(value)}.")
-    if isinstance(target, StaticLossScale) and _concrete(target_leaf):
-        configured = _host_array(target_leaf).astype(np.float32)
-        if not np.array_equal(as_f32, configured):
-            raise _flax_error(
-                f"loss_scale: saved {show(as_f32.tolist())}, the target's "
-                f"StaticLossScale factor is {show(configured.tolist())}. A static "
-                "factor is configuration: build the target with the saved factor, or "
-                "restore into a placeholder (`jax.tree.map(lambda _: None, target)`) and "
-                "adopt the new one with `loss_scaling.restore_with_config`.")
-
-
 def _flax_from_state_dict(target: LossScale, state: Any) -> LossScale:
-    try:
-        return _flax_restore(target, state)
-    except Exception as error:  # hostile state: still a ValueError that names the path
-        if isinstance(error, RestoreError):
-            raise
-        raise _flax_error(f"{type(error).__name__}: {show(str(error))}") from None
-
-
-def _flax_restore(target: LossScale, state: Any) -> LossScale:
     names = leaf_names(target)
-    if isinstance(state, (bytes, bytearray, memoryview)) and names:
-        state = _read_record(target, bytes(state))
-    if not isinstance(state, Mapping) or set(state) != set(names):
-        got = sorted(map(show, state)) if isinstance(state, Mapping) else show(state)
-        raise _flax_error(f"expected {'the checked record of' if names else 'a dict with'} "
-                          f"the keys {list(names)}, got {got}.")
-    leaves = [_flax_leaf(target, name, state[name]) for name in names]
+    try:
+        if isinstance(state, (bytes, bytearray, memoryview)) and names:
+            state = _read_record(target, bytes(state))
+        if not isinstance(state, Mapping) or set(state) != set(names):
+            got = sorted(map(show, state)) if isinstance(state, Mapping) else show(state)
+            raise _flax_error(f"expected {'the checked record of' if names else 'a dict with'}"
+                              f" the keys {list(names)}, got {got}.")
+        leaves = [_flax_leaf(target, name, state[name]) for name in names]
+    except RestoreError:
+        raise
+    except Exception as error:  # hostile state: still a ValueError that names the path
+        raise _flax_error(f"{type(error).__name__}: {show(str(error))}") from None
     # Every child of the target counts as one leaf, whatever it holds (even None).
     treedef = jax.tree.structure(target, is_leaf=lambda x: x is not target)
     return jax.tree.unflatten(treedef, leaves)
@@ -296,13 +262,11 @@ def _bare_optimizer_states(target: Any, state: Any) -> list[str]:
 def from_bytes(target: Any, encoded: bytes) -> Any:
     """``flax.serialization.from_bytes``, with every failure a ``ValueError``.
 
-    ``flax.serialization.from_bytes`` decodes the whole message with msgpack before any
-    restore hook runs: truncated bytes, or a corrupted byte of msgpack's own framing,
-    raise there (msgpack's ``ValueError`` / ``ExtraData``, or a ``TypeError`` or
-    ``UnicodeDecodeError`` from flax's array decoding) and name no field. This function
-    turns those into a ``ValueError`` that names the loss-scale states of ``target``, so
-    that a caller can handle corrupted checkpoints with one ``except ValueError``. A
-    corrupted loss-scale record itself is refused (CRC-32) by either function.
+    flax decodes the whole message with msgpack before any restore hook runs, so
+    truncated bytes or a corrupted byte of msgpack's framing raise msgpack's or flax's
+    own errors there, naming no field. This function turns those into a ``ValueError``
+    naming the loss-scale states of ``target`` (one ``except ValueError`` handles every
+    corrupted checkpoint), and names a checkpoint saved before loss scaling was added.
 
     Args:
       target: the restore target, as for ``flax.serialization.from_bytes``.
@@ -329,12 +293,11 @@ def from_bytes(target: Any, encoded: bytes) -> Any:
       ValueError: cannot decode the bytes for the loss-scale state at './scaler': ...
     """
     def is_scaler(x: Any) -> bool:
-        return isinstance(x, (NoOpLossScale, StaticLossScale, DynamicLossScale))
+        return isinstance(x, _SCALER_CLASSES)
 
-    paths = [
-        "./" + jax.tree_util.keystr(path, simple=True, separator="/")
-        for path, _ in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_scaler)[0]
-        if is_scaler(_)]
+    paths = ["./" + jax.tree_util.keystr(path, simple=True, separator="/") for path, node
+             in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_scaler)[0]
+             if is_scaler(node)]
     where = (f"the loss-scale state at {', '.join(map(repr, paths))}" if paths
              else "a target holding no loss scale")
     try:
@@ -351,15 +314,13 @@ def from_bytes(target: Any, encoded: bytes) -> Any:
                   "the target has a with_loss_scaling state"))
     try:
         return flax.serialization.from_state_dict(target, state)
-    except ValueError as error:
-        if isinstance(error, RestoreError):
-            raise  # ours, naming the field
-        raise ValueError(f"cannot restore {where}: the decoded bytes do not match the "
-                         f"target's structure ({error}).") from None
+    except RestoreError:
+        raise  # ours, naming the field
     except Exception as error:
-        raise ValueError(
-            f"cannot restore {where}: the decoded bytes do not match the target's "
-            f"structure ({type(error).__name__}: {show(str(error))}).") from None
+        shown = str(error) if isinstance(error, ValueError) else (
+            f"{type(error).__name__}: {show(str(error))}")
+        raise ValueError(f"cannot restore {where}: the decoded bytes do not match the "
+                         f"target's structure ({shown}).") from None
 
 
 for _cls in _SCALER_CLASSES:

@@ -1,23 +1,12 @@
 """Orbax checkpoints that keep the loss scale's configuration and check it on restore.
 
-Orbax saves the loss scale's *values* (they are leaves) but not its configuration
-(``growth_interval`` etc. are static pytree data, taken from the restore target), and it
-checks nothing: a corrupted array restores as whatever it holds. :func:`save_args` saves
-the state with ``ocp.args.StandardSave`` and, beside it, :func:`loss_scaling.state_dict`
-of its loss scale as JSON; :func:`restore` restores both and refuses, with a
-``ValueError`` naming the field:
-
-* a configuration that differs from the saved one (unless ``adopt_config=True``), a
-  ``StaticLossScale`` factor included when the target is concrete;
-* a saved loss scale that is invalid (the JSON is validated as :func:`from_state_dict`
-  validates);
-* arrays that disagree with the JSON (one of the two copies is corrupted).
-
-Both are built on Orbax's own API (``ocp.args.Composite`` items for a
-``CheckpointManager``), so async saves, ``wait_until_finished`` and multi-host runs work as
-they do for any Orbax item: the JSON is written once, by the primary host. This module
-imports Orbax; ``import loss_scaling`` does not (``ls.orbax_save_args`` and
-``ls.orbax_restore`` import it on first use).
+Orbax saves the loss scale's values but not its configuration, and checks nothing.
+:func:`save_args` saves the state (``ocp.args.StandardSave``) and, beside it,
+:func:`loss_scaling.state_dict` of its loss scale (``JsonSave``); :func:`restore`
+refuses a changed configuration (unless ``adopt_config=True``), an invalid saved loss
+scale, and arrays that disagree with the JSON. Both are plain ``ocp.args.Composite``
+items, so async saves and multi-host runs work as for any Orbax item. Imports Orbax:
+``import loss_scaling`` does not import this module.
 """
 
 from __future__ import annotations
@@ -49,38 +38,36 @@ ADOPT_HERE = (
     "`adopt_config=True` to loss_scaling.orbax_restore; to keep the saved configuration, "
     "build the restore target with it."
 )
+_ROUTE = (
+    "restore with the saved configuration{config}, then "
+    "`loss_scaling.restore_loss_scale(new_state, loss_scaling.get_loss_scale(restored), "
+    "adopt_config=True)` (docs/checkpoints.md, 'Changing the growth rule or the headroom "
+    "window')"
+)
 CANNOT_ADOPT = (
-    "loss_scaling.orbax_restore(..., adopt_config=True) cannot adopt {what}: the loss "
-    "scale's arrays were saved as {saved} and Orbax restores arrays only into the "
-    "structure they were saved with, while the target's are {target}. Restore into a "
-    "target built with the saved configuration ({config}), then move the loss scale "
-    "into a state built with the new one: `loss_scaling.restore_loss_scale(new_state, "
-    "loss_scaling.get_loss_scale(restored), adopt_config=True)` (docs/checkpoints.md, "
-    "'Changing the growth rule or the headroom window')."
+    "loss_scaling.orbax_restore(..., adopt_config=True) cannot adopt {what}: Orbax restores "
+    "the loss scale's arrays ({saved}) only into the structure they were saved with, not "
+    "the target's ({target}): " + _ROUTE + "."
 )
 KEEP_STRUCTURE = (
     "{what} changes the loss scale's arrays, so `adopt_config=True` cannot adopt it "
-    "through Orbax: restore with the saved configuration, then "
-    "`loss_scaling.restore_loss_scale(new_state, loss_scaling.get_loss_scale(restored), "
-    "adopt_config=True)` (docs/checkpoints.md, 'Changing the growth rule or the headroom "
-    "window'). To keep the saved configuration, build the restore target with it."
+    "through Orbax: " + _ROUTE.format(config="") + ". To keep the saved configuration, "
+    "build the restore target with it."
 )
 
 
 def _arrays(scaler: LossScale) -> str:
     """The loss scale's arrays by name and shape: what Orbax restores into."""
-    config = getattr(scaler, "config", None)
-    window = getattr(config, "headroom_window", None)
-    names = leaf_names(scaler)
+    window = getattr(getattr(scaler, "config", None), "headroom_window", None)
     return ", ".join(f"{name}[{window}]" if name == "grad_max_history" else name
-                     for name in names) or "none"
+                     for name in leaf_names(scaler)) or "none"
 
 
 def _structure_change(saved: LossScale, target: LossScale) -> tuple[str, str] | None:
     """``(what, saved configuration)`` where the saved arrays cannot be restored into the
     target's (another growth rule, another headroom_window); None where they can."""
-    saved_config, target_config = getattr(saved, "config", None), getattr(target, "config",
-                                                                          None)
+    saved_config = getattr(saved, "config", None)
+    target_config = getattr(target, "config", None)
     if saved_config is None or target_config is None:
         return None
     for name in ("growth", "headroom_window"):  # another rule: its window is moot
@@ -98,16 +85,15 @@ def _resolve(saved: Mapping[str, Any], saved_scaler: LossScale, target: LossScal
     change = _structure_change(saved_scaler, target)
     if change is not None and adopt_config:
         raise ValueError(CANNOT_ADOPT.format(what=change[0], saved=_arrays(saved_scaler),
-                                             target=_arrays(target), config=change[1]))
+                                             target=_arrays(target),
+                                             config=f" ({change[1]})"))
     fix = ADOPT_HERE if change is None else KEEP_STRUCTURE.format(what=change[0])
     return resolve(saved, target, adopt_config=adopt_config, fix=fix)
 
 
 def one_replica(scaler: LossScale) -> LossScale:
-    """The scaler of a ``pmap``-replicated state (leading device axes) as one scalar state.
-
-    Raises a ValueError if the replicas disagree (a run without ``axis_name``).
-    """
+    """The scaler of a ``pmap``-replicated state (leading device axes) as one scalar
+    state; a ValueError if the replicas disagree (a run without ``axis_name``)."""
     leaves, treedef = jax.tree.flatten(scaler)
     single = []
     for name, leaf in zip(leaf_names(scaler), leaves, strict=True):
@@ -123,9 +109,8 @@ def one_replica(scaler: LossScale) -> LossScale:
 
 
 def _entry(state: Any, path: str | None) -> Any:
-    """The key of the entry of a dict that holds the loss scale, when ``state`` itself
-    is not searchable as a whole: ``{"model": nnx.state(model), "optimizer":
-    nnx.state(optimizer)}``. None when ``get_loss_scale(state, path)`` finds it."""
+    """None when ``get_loss_scale(state, path)`` finds the loss scale, else the key of the
+    one entry of the dict ``state`` that holds it (``{"model": ..., "optimizer": ...}``)."""
     try:
         get_loss_scale(state, path)
         return None
@@ -152,13 +137,10 @@ def save_args(state: Any, *, path: str | None = None, **items: Any) -> ocp.args.
     """The ``args`` for ``CheckpointManager.save``: the state and its loss scale's JSON.
 
     Args:
-      state: any pytree holding one loss scale: a flax or ``ls.TrainState``, a
-        ``{"params", "opt_state"}`` dict, ``nnx.state(optimizer)`` of a
-        ``loss_scaling.nnx.Optimizer`` or a dict holding it (``{"model":
-        nnx.state(model), "optimizer": nnx.state(optimizer)}``); replicated (``pmap``)
+      state: any pytree holding one loss scale (a ``TrainState``, a ``{"params",
+        "opt_state"}`` dict, ``nnx.state(optimizer)`` or a dict holding it), replicated
         or sharded.
-      path: which loss scale, when ``state`` holds several (as for
-        :func:`loss_scaling.get_loss_scale`).
+      path: which loss scale, as for :func:`loss_scaling.get_loss_scale`.
       **items: more Composite items to save alongside (e.g. a dataset iterator).
 
     Returns:
@@ -205,14 +187,10 @@ def _saved_items(mngr: ocp.CheckpointManager, step: int) -> list[str] | None:
 
 
 def _in_own_dtypes(abstract_state: Any, scaler: LossScale) -> Any:
-    """``abstract_state`` with the scaler's leaves asking for their own dtypes.
-
-    A common Orbax idiom restores every float leaf in bfloat16 (a target built with
-    ``jax.tree.map(lambda x: x.astype(jnp.bfloat16), ...)``): the loss scale is float32
-    and its counters int32 whatever the target says, as the library builds and saves
-    them, so that the arrays can be compared bit for bit with the JSON. The leaves are
-    found by identity (``get_loss_scale`` returns the target's own leaf objects).
-    """
+    """``abstract_state`` with the scaler's leaves asking for their own dtypes (float32,
+    int32), whatever the target says (an idiom restores every float leaf in bfloat16), so
+    that the arrays compare bit for bit with the JSON. The leaves are found by identity
+    (``get_loss_scale`` returns the target's own leaf objects)."""
     wanted = {id(getattr(scaler, name)): np.dtype(np.float32 if name in FLOAT_LEAVES
                                                   else np.int32)
               for name in leaf_names(scaler)}
@@ -239,18 +217,15 @@ def restore(
 
     Args:
       mngr: the ``ocp.CheckpointManager``.
-      abstract_state: the restore target, built from scratch on resume:
-        ``jax.eval_shape(make_state)``, ``nnx.state`` of an abstract optimizer, a
-        replicated or sharded ``ShapeDtypeStruct`` tree, or a concrete fresh state. Its
-        configuration is the one the result has. A ``StaticLossScale`` factor can be
-        compared only with a concrete target (an abstract one carries no value).
+      abstract_state: the restore target, built from scratch on resume
+        (``jax.eval_shape(make_state)``, ``nnx.state`` of an abstract optimizer, a
+        sharded ``ShapeDtypeStruct`` tree, or a concrete state, whose ``StaticLossScale``
+        factor is then compared too). Its configuration is the one the result has.
       step: the step to restore; the latest by default.
       adopt_config: keep the target's configuration when it differs from the saved one
-        (the saved scale and counters, :func:`loss_scaling.restore_with_config`). Not
-        for another ``growth`` rule or ``headroom_window``: they change the loss scale's
-        arrays, which Orbax restores only into the structure they were saved with
-        (restore as saved, then :func:`loss_scaling.restore_loss_scale` with
-        ``adopt_config=True`` into a state built with the new configuration).
+        (:func:`loss_scaling.restore_with_config`). Not for another ``growth`` rule or
+        ``headroom_window``, which change the arrays Orbax restores into: restore as
+        saved, then :func:`loss_scaling.restore_loss_scale` with ``adopt_config=True``.
       path: which loss scale, as for :func:`loss_scaling.get_loss_scale`.
 
     Returns:
@@ -259,10 +234,9 @@ def restore(
 
     Raises:
       ValueError: naming the field, if the configuration differs (unless
-        ``adopt_config``; with it, if the growth rule or the headroom window differs),
-        if the saved loss scale is missing, unreadable or invalid, if
-        the arrays disagree with the JSON, or if there is no checkpoint. Orbax's own
-        errors (a missing or unreadable array file) pass through.
+        ``adopt_config``), if the saved loss scale is missing or invalid, if the arrays
+        disagree with the JSON, or if there is no checkpoint. Orbax's own errors (a
+        missing array file) pass through.
     """
     if step is None:
         step = mngr.latest_step()
@@ -295,17 +269,10 @@ def restore(
     restored = mngr.restore(step, args=ocp.args.Composite(
         **{STATE_ITEM: ocp.args.StandardRestore(target)}))[STATE_ITEM]
     arrays = _values(_get(restored, key, path))
-    for name, expected in _values(saved_scaler).items():
-        got = arrays[name]
-        same = got.dtype == expected.dtype and (
-            got.view(np.uint8 if got.dtype.itemsize == 1 else f"u{got.dtype.itemsize}")
-            == expected.view(f"u{expected.dtype.itemsize}")).all()
-        if got.dtype != expected.dtype:  # _in_own_dtypes asked for the saved dtype
-            raise ValueError(
-                f"the arrays of step {step} hold the loss scale's {name} as {got.dtype}, "
-                f"saved as {expected.dtype}: restore it in {expected.dtype} (the restore "
-                "target's leaf for it must have that dtype).")
-        if not same:
+    for name, expected in _values(saved_scaler).items():  # float32 / int32, as saved
+        got = arrays[name]  # in the saved dtype: _in_own_dtypes asked for it
+        if got.dtype != expected.dtype or not (  # every replica, bitwise (NaN == NaN)
+                got.view(np.uint32) == expected.view(np.uint32)).all():
             raise ValueError(
                 f"the checkpoint of step {step} is corrupted: its arrays say {name} "
                 f"{show(got.tolist())}, its loss-scale JSON says "

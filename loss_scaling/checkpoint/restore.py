@@ -1,5 +1,4 @@
-"""Replacing the loss scale inside optax states and TrainStates by a saved one.
-"""
+"""Replacing the loss scale inside optax states, TrainStates and nnx states by a saved one."""
 
 from __future__ import annotations
 
@@ -10,13 +9,12 @@ import jax
 import optax
 
 from loss_scaling._registry import hooks as framework_hooks
-from loss_scaling.checkpoint._values import place_like
 from loss_scaling.checkpoint.config import (
-    check_same_config,
+    USE_RESTORE_WITH_CONFIG,
     refuse_differences,
     restore_with_config,
 )
-from loss_scaling.checkpoint.state_dict import from_state_dict, state_dict
+from loss_scaling.checkpoint.state_dict import from_state_dict, place_like, state_dict
 from loss_scaling.core.scalers import LossScale
 from loss_scaling.lookup import get_loss_scale
 from loss_scaling.wrapper.state import LossScalingState
@@ -31,44 +29,33 @@ def restore_loss_scale(
 ) -> Any:
     """``state`` with its loss scale replaced by the saved one: the last step of a resume.
 
-    Orbax (and any array checkpoint) stores the loss scale's *values* but not its
-    configuration, which comes from the restore target: a resumed run built with a new
-    ``growth_interval`` would silently run under it. Save :func:`state_dict` next to the
-    arrays and pass it here after restoring. By default a configuration that differs
-    from the saved one is an error (:func:`check_same_config`); ``adopt_config=True``
-    keeps the saved scale and counters under ``state``'s configuration
+    An array checkpoint stores the loss scale's values but not its configuration, which
+    comes from the restore target: save :func:`state_dict` next to the arrays and pass
+    it here. A configuration that differs from the saved one is an error
+    (:func:`check_same_config`) unless ``adopt_config=True``
     (:func:`restore_with_config`).
 
     Args:
       state: an optax state holding one :func:`~loss_scaling.with_loss_scaling` state
         (however nested), a flax ``TrainState``, an ``nnx.Optimizer`` or an ``nnx.State``
-        of one; typically just restored from an array checkpoint into the freshly built
-        optimizer's abstract state.
-      saved: the saved loss scale: a dict from :func:`state_dict` (validated) or a
-        loss-scale state.
+        of one.
+      saved: a dict from :func:`state_dict` (validated) or a loss-scale state.
       adopt_config: keep ``state``'s configuration instead of requiring the saved one.
       path: which loss scale, when ``state`` holds several (as for
         :func:`~loss_scaling.get_loss_scale`).
 
     Returns:
-      A new state of the same structure; only the loss scale's leaves are new, each in
-      the layout of the leaf it replaces: its shape (the leading device axis of a
-      ``flax.jax_utils.replicate``-d state) and its sharding (``NamedSharding`` or
-      ``pmap``'s, multi-host included: each device's copy comes from this host's value).
-      A ``StaticLossScale`` restored by Orbax already holds the *saved* factor, so the
-      configured one cannot be compared here: :func:`loss_scaling.orbax_restore` with a
-      concrete target compares it.
+      A new state of the same structure, the loss scale's leaves new, each in the
+      layout of the leaf it replaces (a ``replicate``-d state's device axis, a
+      ``NamedSharding``, multi-host). An ``nnx.Optimizer`` is updated in place and
+      returned; an ``nnx.State`` is not modified (pass the new one to ``nnx.update``).
+      A ``StaticLossScale`` restored by Orbax already holds the saved factor:
+      :func:`loss_scaling.orbax_restore` with a concrete target compares it.
 
     Raises:
       ValueError: if the configurations differ (unless ``adopt_config``), if ``saved``
         is invalid or of another kind, or if ``state`` holds no loss scale (or several
         and ``path`` picks none).
-
-    A ``flax.nnx`` optimizer is mutable: its loss-scale variables are set in place and
-    the optimizer itself is returned. An ``nnx.State`` of one (``nnx.state(optimizer)``,
-    or the state from ``nnx.split``, e.g. as Orbax restored it) is not modified: a new
-    ``nnx.State`` is returned, to pass on to ``nnx.update(optimizer, state)``. Its
-    configuration comes from the metadata that ``loss_scaling.nnx.Optimizer`` keeps.
 
     Examples:
       >>> import json, jax.numpy as jnp, optax
@@ -93,28 +80,25 @@ def restore_loss_scale(
 
 
 def resolve(saved: LossScale | Mapping[str, Any], target: LossScale, *,
-            adopt_config: bool, fix: str | None = None) -> LossScale:
+            adopt_config: bool, fix: str = USE_RESTORE_WITH_CONFIG) -> LossScale:
     """The scaler a restore gives: ``saved`` checked against ``target``'s configuration
-    (a difference refused with ``fix``, by default :func:`check_same_config`'s), or
-    (``adopt_config``) the saved values under it."""
+    (a difference refused with ``fix``), or (``adopt_config``) the saved values under it."""
     if adopt_config:
         return restore_with_config(saved, target)
-    if fix is None:
-        check_same_config(saved, target)
-    else:
-        refuse_differences(saved, target, fix)
+    refuse_differences(saved, target, fix)
     return from_state_dict(saved if isinstance(saved, Mapping) else state_dict(saved))
 
 
 def replace_loss_scale(state: Any, new: LossScale, path: str | None = None) -> Any:
     """``state`` with the loss scale ``get_loss_scale(state, path)`` picks replaced by
     ``new`` (a scalar state), placed in the layout of the leaves it replaces."""
+    target = get_loss_scale(state, path)
+    new = jax.tree.map(place_like, new, target)
     for hooks in framework_hooks():  # a framework's own state (a mutable nnx.Optimizer)
         if hooks.replace_scale is not None:
             replaced = hooks.replace_scale(state, new, path)
             if replaced is not NotImplemented:
                 return replaced
-    target = get_loss_scale(state, path)
     target_leaves = jax.tree.leaves(target)
     if not target_leaves:  # a NoOpLossScale: nothing to restore
         return state
@@ -133,7 +117,6 @@ def replace_loss_scale(state: Any, new: LossScale, path: str | None = None) -> A
             "the one `get_loss_scale(state, path)` picks; it replaces exactly one: give "
             "each loss scale its own arrays.")
 
-    new = jax.tree.map(place_like, new, target)
     out = optax.tree_utils.tree_set(
         state, is_target, LossScalingState=found[0][1]._replace(scaler=new))
     if any(a is not b for a, b in zip(jax.tree.leaves(get_loss_scale(out, path)),

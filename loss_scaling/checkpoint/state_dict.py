@@ -1,8 +1,17 @@
-"""The JSON-compatible state-dict format: :func:`state_dict` and :func:`from_state_dict`.
+"""The JSON state-dict format: :func:`state_dict`, :func:`from_state_dict`, and reading
+values out of untrusted dicts and off devices.
+
+``{"format_version": 1, "kind": ..., "config": {...}, "values": {...}}``. A dict is
+checked field by field (exactly the expected keys, the expected types, float32 values
+exactly), then by :mod:`loss_scaling.core.validation` as construction checks; every
+refusal is a ``ValueError`` that starts with ``invalid loss-scale state dict: `` and names
+the field (``values.loss_scale``). An interval scaler's dict is the one written before
+headroom growth existed; a headroom scaler adds its options and three values.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,69 +20,141 @@ import jax.numpy as jnp
 import numpy as np
 
 from loss_scaling._errors import show
-from loss_scaling.checkpoint._values import (
-    _CONFIG_KEYS,
-    _INVALID,
-    _KIND_OF_TYPE,
-    _TOP_KEYS,
-    _VALUE_KEYS,
-    FORMAT_VERSION,
-    HEADROOM_VALUE_KEYS,
-    INTERVAL_CONFIG_KEYS,
-    InvalidStateDict,
-    _exact_float32,
-    _in_range,
-    _integer,
-    _mapping,
-    _number,
-    _prefixed,
-    _scale,
-)
+from loss_scaling.core import validation
 from loss_scaling.core.scalers import (
+    DYNAMIC_LEAVES,
+    FLOAT_LEAVES,
+    HEADROOM_LEAVES,
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
+    leaf_names,
+    leaf_ndim,
     require_scaler,
 )
-from loss_scaling.core.validation import (
-    DynamicConfig,
-    config_fields,
-    counter_ranges,
-    history_problem,
-    positive_int32,
-    scale_range,
-    validate_dynamic_config,
-)
+from loss_scaling.core.validation import DynamicConfig
+
+FORMAT_VERSION = 1
+"""The version :func:`state_dict` writes and :func:`from_state_dict` reads."""
+
+_INVALID = "invalid loss-scale state dict: "
+_TOP_KEYS = ("format_version", "kind", "config", "values")
+_CONFIG_KEYS = {"noop": (), "static": (),
+                "dynamic": tuple(f.name for f in dataclasses.fields(DynamicConfig))}
+_VALUE_KEYS = {"noop": (), "static": ("loss_scale",),
+               "dynamic": ("loss_scale", "growth_tracker", "nonfinite_tracker")}
+# growth="headroom" has all of _CONFIG_KEYS["dynamic"] and these values too; the interval
+# rule's dict has only INTERVAL_FIELDS as config keys (as before headroom growth).
+HEADROOM_VALUE_KEYS = ("grad_max_history", "headroom_tracker", "ceiling")
+_KIND_OF_TYPE: dict[type, str] = {
+    NoOpLossScale: "noop", StaticLossScale: "static", DynamicLossScale: "dynamic"}
+_F32 = np.finfo(np.float32)
+
+
+# ----------------------------------------------------------- reading untrusted fields
+
+
+def _mapping(name: str | None, value: Any, keys: tuple[str, ...],
+             optional: tuple[str, ...] = ()) -> Mapping[str, Any]:
+    """``value`` as a mapping with exactly ``keys`` (and any of ``optional``); ``name`` None
+    for the top level."""
+    what = "the state dict" if name is None else name
+    prefix = "" if name is None else f"{name}."
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{what} must be a dict, got {show(value)} of type "
+                         f"{type(value).__name__}.")
+    missing = [prefix + k for k in keys if k not in value]
+    extra = [prefix + (k if isinstance(k, str) and k.isidentifier() else show(k))
+             for k in value if not (isinstance(k, str) and (k in keys or k in optional))]
+    if missing or extra:
+        problems = ([f"missing key(s) {', '.join(missing)}"] if missing else []) + (
+            [f"unexpected key(s) {', '.join(extra)}"] if extra else [])
+        raise ValueError(f"{what}: {'; '.join(problems)}. It must have exactly the keys "
+                         f"{list(keys)}.")
+    return value
+
+
+def _scalar_item(name: str, value: Any) -> Any:
+    """A concrete 0-d numeric array as its Python scalar; anything else unchanged.
+    datetime64, timedelta64 and object arrays (numpy counts the first two as integers)
+    are refused: ``.item()`` would turn them into numbers."""
+    dtype = getattr(value, "dtype", None)
+    if isinstance(dtype, np.dtype) and not (
+            dtype.kind in "biufc" or jnp.issubdtype(dtype, jnp.floating)):
+        raise ValueError(f"{name} must be a number, got {show(value)} of dtype {dtype}.")
+    if isinstance(value, (np.ndarray, jax.Array)) and value.shape == ():
+        return value.item()
+    return value
+
+
+def _number(name: str, value: Any, below_normal: bool = False) -> float:
+    """A real number (int or float, not bool) that float32 holds exactly, as a Python
+    float. Its range is the validator's, except with ``below_normal`` (a
+    ``grad_max_history`` entry, which may be 0 or subnormal)."""
+    value = _scalar_item(name, value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+            value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, got {show(value)} of type "
+                         f"{type(value).__name__}.")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number, got {show(value)}.") from None
+    with np.errstate(over="ignore", under="ignore"):
+        rounded = np.float32(number)
+    if float(rounded) == number or not (
+            np.isfinite(rounded) and abs(rounded) >= (0.0 if below_normal else _F32.tiny)):
+        return number  # exact, or out of range: the range check names the range
+    below, above = sorted((float(rounded), float(np.nextafter(
+        rounded, np.float32(np.inf if float(rounded) < number else -np.inf)))))
+    raise ValueError(f"{name} is {number!r}, which float32 does not represent exactly: the "
+                     f"nearest float32 values are {below!r} and {above!r}. A state dict "
+                     "holds float32 values exactly (state_dict writes them so, and a JSON "
+                     "round trip keeps them): write one of those.")
+
+
+def _integer(name: str, value: Any) -> int:
+    """An integer (not bool, not float) as a Python int; its range is the validator's."""
+    value = _scalar_item(name, value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {show(value)} of type "
+                         f"{type(value).__name__}.")
+    return int(value)
+
+
+def _scale(name: str, value: Any) -> float:
+    return validation.positive_normal_float32(name, _number(name, value))
+
+
+# --------------------------------------------------------------------- the format
 
 
 def _parse(d: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
     """Validates a state dict; returns its kind, its config (dynamic only) and values."""
+    try:
+        return _parse_fields(d)
+    except ValueError as error:
+        raise ValueError(_INVALID + str(error)) from None
+
+
+def _parse_fields(d: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
     d = _mapping(None, d, _TOP_KEYS)
     version = d["format_version"]
-    if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)):
-        raise InvalidStateDict(
-            f"{_INVALID}format_version must be the integer {FORMAT_VERSION}, got "
-            f"{show(version)} of type {type(version).__name__}."
-        )
-    if version != FORMAT_VERSION:
-        raise InvalidStateDict(
-            f"{_INVALID}unsupported format_version {show(version)}: this version of "
-            f"loss_scaling reads format_version {FORMAT_VERSION}."
-        )
+    if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)) \
+            or version != FORMAT_VERSION:
+        raise ValueError(f"format_version must be the integer {FORMAT_VERSION} (the one this "
+                         f"loss_scaling reads), got {show(version)}.")
     kind = d["kind"]
     if not isinstance(kind, str) or kind not in _CONFIG_KEYS:
-        raise InvalidStateDict(
-            f"{_INVALID}unknown kind {show(kind)}: expected one of {list(_CONFIG_KEYS)}."
-        )
+        raise ValueError(f"unknown kind {show(kind)}: expected one of {list(_CONFIG_KEYS)}.")
     config_keys, value_keys = _CONFIG_KEYS[kind], _VALUE_KEYS[kind]
     if kind == "dynamic":
         if isinstance(d["config"], Mapping) and d["config"].get("growth") == "headroom":
             value_keys += HEADROOM_VALUE_KEYS
         else:  # the others may be given, and the validator refuses headroom options
-            config_keys = INTERVAL_CONFIG_KEYS
-    raw_config = _mapping("config", d["config"], config_keys,
-                          optional=_CONFIG_KEYS[kind])
+            config_keys = validation.INTERVAL_FIELDS
+    raw_config = _mapping("config", d["config"], config_keys, optional=_CONFIG_KEYS[kind])
     raw_values = _mapping("values", d["values"], value_keys,
                           optional=("failure",) if kind == "dynamic" else ())
     if kind == "noop":
@@ -81,93 +162,48 @@ def _parse(d: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
     loss_scale = _scale("values.loss_scale", raw_values["loss_scale"])
     if kind == "static":
         return kind, None, {"loss_scale": loss_scale}
-    return (kind, *_parse_dynamic(raw_config, raw_values, loss_scale))
-
-
-def _parse_dynamic(raw_config: Mapping[str, Any], raw_values: Mapping[str, Any],
-                   loss_scale: float) -> tuple[DynamicConfig, dict[str, Any]]:
-    """The config and values of a dynamic state dict (its keys already checked)."""
-    # Each field on its own first, so that the message names the one at fault.
-    factors = {k: _exact_float32(f"config.{k}", _number(f"config.{k}", raw_config[k]))
-               for k in ("growth_factor", "backoff_factor")}
-    ints = {}
-    for k in ("growth_interval", "hysteresis"):
-        try:
-            ints[k] = positive_int32(f"config.{k}", _integer(f"config.{k}", raw_config[k]))
-        except ValueError as error:
-            raise InvalidStateDict(_prefixed(error)) from None
-    bounds = {k: None if raw_config[k] is None else _scale(f"config.{k}", raw_config[k])
-              for k in ("min_scale", "max_scale")}
-    growth = _growth_options(raw_config)
-    if bounds["min_scale"] is not None and loss_scale < bounds["min_scale"]:
-        raise InvalidStateDict(
-            f"{_INVALID}values.loss_scale ({loss_scale!r}) is below config.min_scale "
-            f"({bounds['min_scale']!r})."
-        )
-    if bounds["max_scale"] is not None and loss_scale > bounds["max_scale"]:
-        raise InvalidStateDict(
-            f"{_INVALID}values.loss_scale ({loss_scale!r}) is above config.max_scale "
-            f"({bounds['max_scale']!r})."
-        )
-    try:
-        config, loss_scale = validate_dynamic_config(
-            init_scale=loss_scale, **factors, **ints, **bounds, **growth)
-    except ValueError as error:  # names the argument (growth_factor, backoff_factor)
-        raise InvalidStateDict(f"{_INVALID}config.{error}") from None
-    counters = {}
-    for name, (low, high, bound) in counter_ranges(config).items():  # failure: optional
-        value = _integer(f"values.{name}", raw_values.get(name, 0))
-        counters[name] = _in_range(f"values.{name}", value, low, high, bound)
-    values = {"loss_scale": loss_scale, **counters}
+    config = _parse_config(raw_config)
+    validation.scale_in_range("values.loss_scale", loss_scale, config, where="config.")
+    values: dict[str, Any] = {"loss_scale": loss_scale}
+    for name in validation.counter_ranges(config):  # failure: optional
+        values[name] = _integer(f"values.{name}", raw_values.get(name, 0))
+        validation.counter_in_range(name, values[name], config, where="values.")
     if config.growth == "headroom":
-        values.update(_parse_headroom(config, raw_values))
-    return config, values
+        raw = raw_values["grad_max_history"]
+        if not isinstance(raw, (list, tuple)) or len(raw) != config.headroom_window:
+            raise ValueError(f"values.grad_max_history must be a list of "
+                             f"config.headroom_window = {config.headroom_window} numbers, "
+                             f"got {show(raw)}.")
+        values["grad_max_history"] = [
+            _number(f"values.grad_max_history[{i}]", x, below_normal=True)
+            for i, x in enumerate(raw)]
+        validation.history_in_range("values.grad_max_history", values["grad_max_history"])
+        values["ceiling"] = _scale("values.ceiling", raw_values["ceiling"])
+        validation.scale_in_range("values.ceiling", values["ceiling"], config, where="config.")
+    return kind, config, values
 
 
-def _growth_options(raw_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The growth rule and its options as read (checked by the core validator after)."""
-    options: dict[str, Any] = {}
-    if "growth" in raw_config:
-        options["growth"] = raw_config["growth"]
-    if "headroom_margin" in raw_config:
-        options["headroom_margin"] = _exact_float32(
-            "config.headroom_margin", _number("config.headroom_margin",
-                                              raw_config["headroom_margin"]))
-    if "headroom_window" in raw_config:
-        options["headroom_window"] = _integer("config.headroom_window",
-                                              raw_config["headroom_window"])
-    if "headroom_dtype" in raw_config:
-        dtype = raw_config["headroom_dtype"]
-        if not isinstance(dtype, str):
-            raise InvalidStateDict(
-                f"{_INVALID}config.headroom_dtype must be a dtype name (a str such as "
-                f"'float16'), got {show(dtype)} of type {type(dtype).__name__}.")
-        options["headroom_dtype"] = dtype
-    return options
-
-
-def _parse_headroom(config: DynamicConfig, raw_values: Mapping[str, Any]) -> dict[str, Any]:
-    """``grad_max_history`` (``headroom_window`` float32 values, finite, >= 0) and
-    ``ceiling`` (a scale in the config's range) of a headroom state dict."""
-    raw = raw_values["grad_max_history"]
-    if not isinstance(raw, (list, tuple)) or len(raw) != config.headroom_window:
-        raise InvalidStateDict(
-            f"{_INVALID}values.grad_max_history must be a list of config.headroom_window "
-            f"= {config.headroom_window} numbers, got {show(raw)}.")
-    history = [_exact_float32(f"values.grad_max_history[{i}]",
-                              _number(f"values.grad_max_history[{i}]", x), below_normal=True)
-               for i, x in enumerate(raw)]
-    problem = history_problem(np.asarray(history, np.float64))
-    if problem is not None:
-        raise InvalidStateDict(f"{_INVALID}values.grad_max_history: {problem}, got "
-                               f"{show(raw)}.")
-    ceiling = _scale("values.ceiling", raw_values["ceiling"])
-    low, high = scale_range(config)
-    if not low <= ceiling <= high:
-        raise InvalidStateDict(
-            f"{_INVALID}values.ceiling ({ceiling!r}) must lie in [{low!r}, {high!r}] (the "
-            "config's scale range).")
-    return {"grad_max_history": history, "ceiling": ceiling}
+def _parse_config(raw: Mapping[str, Any]) -> DynamicConfig:
+    """A dynamic config: each field read on its own (the message names the one at
+    fault), then checked by the validator, its messages naming ``config.<field>``."""
+    settings: dict[str, Any] = {}
+    for name, value in raw.items():
+        field = f"config.{name}"
+        if name in ("growth_factor", "backoff_factor", "headroom_margin"):
+            settings[name] = _number(field, value)
+        elif name in ("growth_interval", "hysteresis", "headroom_window"):
+            settings[name] = _integer(field, value)
+        elif name in ("min_scale", "max_scale"):
+            settings[name] = None if value is None else _scale(field, value)
+        elif name == "headroom_dtype" and not isinstance(value, str):
+            raise ValueError(f"{field} must be a dtype name (a str such as 'float16'), got "
+                             f"{show(value)} of type {type(value).__name__}.")
+        else:
+            settings[name] = value
+    try:
+        return validation.dynamic_config(**settings)
+    except ValueError as error:  # names the argument (growth_factor, backoff_factor)
+        raise ValueError(f"config.{error}") from None
 
 
 def _build(kind: str, config: DynamicConfig | None, values: dict[str, Any]) -> LossScale:
@@ -176,20 +212,13 @@ def _build(kind: str, config: DynamicConfig | None, values: dict[str, Any]) -> L
     if kind == "static":
         return StaticLossScale(values["loss_scale"])
     assert config is not None
-    leaves: tuple[Any, ...] = (
-        jnp.asarray(values["loss_scale"], jnp.float32),
-        jnp.asarray(values["growth_tracker"], jnp.int32),
-        jnp.asarray(values["nonfinite_tracker"], jnp.int32),
-        jnp.asarray(values.get("failure", 0), jnp.int32),
-    )
-    if config.growth == "headroom":
-        leaves += (jnp.asarray(np.asarray(values["grad_max_history"], np.float32)),
-                   jnp.asarray(values["headroom_tracker"], jnp.int32),
-                   jnp.asarray(values["ceiling"], jnp.float32))
-    return DynamicLossScale._from_parts(config, leaves)
+    names = HEADROOM_LEAVES if config.growth == "headroom" else DYNAMIC_LEAVES
+    return DynamicLossScale._from_parts(config, tuple(jnp.asarray(np.asarray(
+        values.get(name, 0), np.float32 if name in FLOAT_LEAVES else np.int32))
+        for name in names))
 
 
-# --------------------------------------------------------------------------- reading
+# ------------------------------------------------- leaves on the host, and back
 
 
 def _kind(scaler: Any) -> str:
@@ -202,11 +231,22 @@ def _host_array(leaf: Any) -> np.ndarray:
     (multi-host ``NamedSharding``) is read from this host's own copy."""
     if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
         if not leaf.is_fully_replicated:
-            raise ValueError(
-                f"a loss-scale leaf of shape {leaf.shape} is sharded across hosts: the loss "
-                "scale must be replicated (it is, unless placed otherwise by hand).")
+            raise ValueError(f"a loss-scale leaf of shape {leaf.shape} is sharded across "
+                             "hosts: the loss scale must be replicated.")
         return np.asarray(leaf.addressable_data(0))
     return np.asarray(leaf)
+
+
+def place_like(value: Any, like: Any) -> Any:
+    """``value`` (a scalar) in the layout of the leaf ``like``: its shape (a replicated
+    state's leading device axes) and its sharding (``NamedSharding`` or pmap's, on one
+    host or many: each device gets its copy from this host's value)."""
+    shape = tuple(np.shape(like))
+    host = np.broadcast_to(np.asarray(value), shape)
+    sharding = getattr(like, "sharding", None)
+    if sharding is None or isinstance(like, jax.core.Tracer):
+        return jnp.asarray(host)
+    return jax.make_array_from_callback(shape, sharding, lambda index: host[index])
 
 
 def _concrete(leaf: Any) -> bool:
@@ -227,27 +267,19 @@ def _static_factor(scaler: StaticLossScale) -> float | None:
 
 
 def _read(name: str, leaf: Any, integer: bool, ndim: int = 0) -> Any:
-    """A scalar leaf as a Python number (``ndim=1``: a vector leaf as a list of floats);
-    refuses tracers and other shapes."""
+    """A scalar leaf as a Python number (``ndim=1``: a vector leaf as a list of floats)."""
     if isinstance(leaf, jax.core.Tracer):
-        raise ValueError(
-            f"state_dict needs concrete values, but {name} is a traced value {leaf!r}: call "
-            "it outside jit/grad/vmap, on the state a compiled step returned."
-        )
+        raise ValueError(f"state_dict needs concrete values, but {name} is traced: call it "
+                         "outside jit, on the state a compiled step returned.")
     array = _host_array(leaf)
     if array.ndim != ndim:
         raise ValueError(
             f"state_dict needs {'scalar' if ndim == 0 else 'vector'} values, but {name} has "
-            f"shape {array.shape}. A "
-            "replicated state (pmap) has a leading device axis: save one replica, e.g. "
-            "`jax.tree.map(lambda x: x[0], scaler)`."
-        )
-    kinds = "iu" if integer else "f"
-    if array.dtype.kind not in kinds:
-        raise ValueError(
-            f"state_dict needs {'an integer' if integer else 'a floating'} {name}, got "
-            f"dtype {array.dtype}."
-        )
+            f"shape {array.shape}. A replicated state (pmap) has a leading device axis: save "
+            "one replica, e.g. `jax.tree.map(lambda x: x[0], scaler)`.")
+    if array.dtype.kind not in ("iu" if integer else "f"):
+        raise ValueError(f"state_dict needs {'an integer' if integer else 'a floating'} "
+                         f"{name}, got dtype {array.dtype}.")
     if integer:
         return int(array)
     with np.errstate(over="ignore", under="ignore"):
@@ -259,16 +291,11 @@ def state_dict(scaler: LossScale) -> dict[str, Any]:
     """A loss-scale state as a plain, JSON-compatible dict.
 
     ``{"format_version": 1, "kind": ..., "config": {...}, "values": {...}}`` holding only
-    str, int, float and None: ``kind`` is ``"noop"``, ``"static"`` or ``"dynamic"``;
-    for ``"dynamic"``, ``config`` has every constructor setting but ``init_scale`` and
-    ``values`` has ``loss_scale`` (float), ``growth_tracker`` and ``nonfinite_tracker``
-    (int). With ``growth="headroom"``, ``config`` also has ``growth`` and the headroom
-    options, and ``values`` has ``grad_max_history`` (a list of floats),
-    ``headroom_tracker`` (int) and ``ceiling`` (float). Floats are float32 values, so
-    ``json.dumps`` / ``json.loads`` round trips are bit-exact.
-
-    The state is checked as :func:`from_state_dict` would check it, so a dict that cannot
-    be restored is never written.
+    str, int, float and None. ``kind`` is ``"noop"``, ``"static"`` or ``"dynamic"``; a
+    dynamic ``config`` has every constructor setting but ``init_scale``. Floats are
+    float32 values, so ``json.dumps`` / ``json.loads`` round trips are bit-exact. The dict
+    is checked as :func:`from_state_dict` checks it: one that cannot be restored is
+    never written.
 
     Args:
       scaler: a ``NoOpLossScale``, ``StaticLossScale`` or ``DynamicLossScale`` with
@@ -298,24 +325,12 @@ def state_dict(scaler: LossScale) -> dict[str, Any]:
       {'format_version': 1, 'kind': 'static', 'config': {}, 'values': {'loss_scale': 128.0}}
     """
     kind = _kind(scaler)
-    config: dict[str, Any] = {}
-    values: dict[str, Any] = {}
-    if isinstance(scaler, StaticLossScale):
-        values["loss_scale"] = _read("loss_scale", scaler.loss_scale, integer=False)
-    elif isinstance(scaler, DynamicLossScale):
-        config = {name: getattr(scaler.config, name) for name in config_fields(scaler.config)}
-        values["loss_scale"] = _read("loss_scale", scaler.loss_scale, integer=False)
-        for name in ("growth_tracker", "nonfinite_tracker"):
-            values[name] = _read(name, getattr(scaler, name), integer=True)
-        failure = _read("failure", scaler.failure, integer=True)
-        if failure:  # written only when set: a healthy state's dict is unchanged
-            values["failure"] = failure
-        if scaler.growth == "headroom":
-            values["grad_max_history"] = _read("grad_max_history", scaler.grad_max_history,
-                                               integer=False, ndim=1)
-            values["headroom_tracker"] = _read("headroom_tracker", scaler.headroom_tracker,
-                                               integer=True)
-            values["ceiling"] = _read("ceiling", scaler.ceiling, integer=False)
+    config = {} if not isinstance(scaler, DynamicLossScale) else {
+        name: getattr(scaler.config, name) for name in validation.config_fields(scaler.config)}
+    values = {name: _read(name, getattr(scaler, name), integer=name not in FLOAT_LEAVES,
+                          ndim=leaf_ndim(name)) for name in leaf_names(scaler)}
+    if values.get("failure") == 0:  # written only when set: a healthy state's dict is unchanged
+        del values["failure"]
     d = {"format_version": FORMAT_VERSION, "kind": kind, "config": config, "values": values}
     _parse(d)
     return d
@@ -324,15 +339,12 @@ def state_dict(scaler: LossScale) -> dict[str, Any]:
 def from_state_dict(d: Any) -> LossScale:
     """Rebuilds a loss-scale state from a dict made by :func:`state_dict`.
 
-    The dict is validated as construction validates its arguments, and more: exactly the
-    expected keys at every level, the expected types (ints are accepted where floats are
-    expected, bools never), a known ``format_version`` and ``kind``, a valid
-    configuration, a finite, positive, normal float32 ``loss_scale`` inside
-    ``[min_scale, max_scale]``, ``0 <= growth_tracker < growth_interval`` and
-    ``0 <= nonfinite_tracker <= hysteresis``. Every float (the scale, the factors and the
-    bounds) must be a float32 value exactly, as :func:`state_dict` writes it: a
-    hand-written ``16777217.0`` is refused (naming float32's neighbours 16777216 and
-    16777218), never rounded silently.
+    Validated as construction validates its arguments, and more: exactly the expected
+    keys at every level, the expected types (ints where floats are expected, bools
+    never), a known ``format_version`` and ``kind``, the scale within ``[min_scale,
+    max_scale]``, the counters within their ranges. Every float must be a float32 value
+    exactly, as :func:`state_dict` writes it: a hand-written ``16777217.0`` is refused
+    (naming float32's neighbours), never rounded silently.
 
     Args:
       d: the dict (e.g. from ``json.loads``).
@@ -358,10 +370,4 @@ def from_state_dict(d: Any) -> LossScale:
       ...
       ValueError: invalid loss-scale state dict: values.loss_scale must be a finite, ...
     """
-    try:
-        return _build(*_parse(d))
-    except InvalidStateDict as error:  # the internal class stays inside: a ValueError out
-        raise ValueError(str(error)) from None
-
-
-# -------------------------------------------------------------------- config changes
+    return _build(*_parse(d))

@@ -1,4 +1,1 @@
-"""Framework integrations (linen TrainState, flax nnx, Equinox). Each imports its
-framework and the core, never the reverse: the core reaches nnx and Equinox only
-through the hooks they register in loss_scaling._registry.
-"""
+"""Framework integrations: linen, nnx, Equinox (README.md)."""

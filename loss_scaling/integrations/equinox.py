@@ -1,17 +1,6 @@
-"""Equinox integration: filtered gradients of the scaled loss, and the fused step on a Module.
+"""Equinox: filtered gradients of the scaled loss, and the fused step on a Module (README.md).
 
-Reached as ``loss_scaling.equinox`` (Equinox is optional: ``import loss_scaling`` never
-imports it). Equinox models are pytrees whose leaves mix floating-point arrays with other
-things (activation functions, integer or bool arrays such as a stored causal mask or an
-index table, flags); following ``eqx.filter_value_and_grad``, only the floating-point
-arrays (``eqx.is_inexact_array``) are differentiated, the gradients hold ``None``
-elsewhere, and only those arrays are trained: initialise the optimizer with
-``tx.init(eqx.filter(model, eqx.is_inexact_array))``. Every other leaf is passed through
-unchanged. Stateful layers keep their state outside the model (``eqx.nn.State``, threaded
-as an ordinary argument and returned as aux), and ``eqx.nn.Dropout`` takes a ``key``, so
-a skipped step changes nothing but what the caller chooses to keep: the recipe in
-``docs/equinox.md`` keeps the new ``State`` (BatchNorm's running statistics from the
-forward pass) and moves on to the next key, exactly as without loss scaling.
+Reached as ``loss_scaling.equinox``, imported on first use.
 """
 
 from __future__ import annotations
@@ -44,13 +33,11 @@ def filter_value_and_grad(
 ) -> Callable[..., Any]:
     """``eqx.filter_value_and_grad`` of the scaled loss: unscaled loss (and aux), scaled grads.
 
-    The returned function takes the loss scale's holder first (the optax state of a
-    :func:`~loss_scaling.with_loss_scaling` optimizer, or anything
-    :func:`~loss_scaling.get_loss_scale` accepts, or a loss-scale state), then ``fun``'s
-    arguments. The floating-point arrays of the arguments at ``argnums`` are
-    differentiated; their other leaves get ``None`` gradients, as in Equinox.
-    ``loss_scaling.value_and_grad`` calls this whenever a differentiated argument holds an
-    ``equinox.Module``.
+    The returned function takes the loss scale's holder first (the optax state, or
+    anything :func:`~loss_scaling.get_loss_scale` accepts), then ``fun``'s arguments. The
+    floating arrays of the arguments at ``argnums`` are differentiated; their other
+    leaves get ``None`` gradients, as in Equinox. ``loss_scaling.value_and_grad`` calls
+    this whenever a differentiated argument holds an ``equinox.Module``.
 
     Args:
       fun: the loss function; returns a scalar loss (or ``(loss, aux)``).
@@ -107,14 +94,11 @@ def apply_gradients(
 ) -> tuple[Any, optax.OptState]:
     """The fused step on an Equinox model: ``(model, opt_state) -> (model, opt_state)``.
 
-    :func:`loss_scaling.apply_gradients` on ``eqx.filter(model, eqx.is_inexact_array)``
-    (the tree ``tx.init`` was given), recombined with the model's other leaves: the inner
-    update and its application run under one skip decision, and a skipped step returns
-    every array of the model bit-identical. Integer and bool arrays (a stored mask, an
-    index table) are not trained and come back as they are, as with
-    ``eqx.apply_updates``; so do floating arrays whose gradient is ``None`` (a model
-    frozen in part with ``eqx.partition(model, filter_spec)``, the optimizer initialised
-    on ``eqx.filter(model, filter_spec)``).
+    :func:`loss_scaling.apply_gradients` on the model's floating arrays that have a
+    gradient (the tree ``tx.init`` was given), recombined with its other leaves, which
+    come back as they are (as with ``eqx.apply_updates``: integer and bool arrays, and
+    arrays frozen with ``eqx.partition``). A skipped step returns every array of the
+    model bit-identical.
 
     Args:
       tx: the transformation (ideally from :func:`~loss_scaling.with_loss_scaling`).
@@ -164,10 +148,8 @@ GRADS_NOT_OF_MODEL = (
 
 
 def _trained_part(model: Any, grads: Any) -> tuple[Any, Any]:
-    """``(trained, rest)`` of ``model``: its floating-point arrays that have a gradient,
-    and everything else. A model frozen in part (Equinox's ``eqx.partition(model,
-    filter_spec)`` recipe) has ``None`` gradients for the frozen arrays, which are then
-    left as they are, as ``eqx.apply_updates`` leaves them."""
+    """``(trained, rest)`` of ``model``: its floating arrays that have a gradient (not
+    those frozen with ``eqx.partition``, whose gradients are None), and everything else."""
     has_grad = jax.tree.map(lambda g: g is not None, grads, is_leaf=lambda g: g is None)
     try:
         trained, rest = eqx.partition(model, has_grad)
@@ -186,11 +168,8 @@ INITIALISED_WITH_IS_ARRAY = (
 
 
 def _refuse_state_of_all_arrays(opt_state: Any, params: Any, model: Any) -> None:
-    """A clear error for a state built on ``eqx.is_array`` of a model with int/bool arrays.
-
-    Without it, the wrapper's message blames the gradients' structure. Only static
-    shapes are read (no sync), so this runs under ``jit`` too.
-    """
+    """A clear error for a state built on ``eqx.is_array`` of a model with int/bool arrays
+    (else the wrapper blames the gradients' structure). Static shapes only: jit-safe."""
     arrays = jax.tree.leaves(eqx.filter(model, eqx.is_array))
     inexact = len(jax.tree.leaves(params))
     if len(arrays) == inexact:

@@ -1,5 +1,4 @@
-"""flax linen: a ``TrainState`` with the fused loss-scaled step.
-"""
+"""flax linen: a ``TrainState`` with the fused loss-scaled step."""
 
 from __future__ import annotations
 
@@ -24,15 +23,12 @@ class TrainState(train_state.TrainState):
     skip decision (:func:`loss_scaling.apply_gradients`); ``step`` counts every call,
     skipped ones included (``loss_scaling.metrics(state)`` counts the skips).
 
-    For ``nn.BatchNorm``, subclass it as flax's own examples subclass flax's TrainState
-    (``class TrainState(ls.TrainState): batch_stats: Any``; docs/linen.md has the whole
-    step): ``create(..., batch_stats=...)`` sets the field and ``apply_gradients(grads=...,
-    batch_stats=...)`` stores the forward pass's new statistics. Like every field passed
-    there, they are stored on a skipped step too, as in flax's dynamic-scale recipe: the
-    forward pass is as valid as without loss scaling (an overflow is a property of the
-    scaled backward pass); only ``params`` and ``opt_state`` stay bit-identical. (Not a
-    field of this class: it would change the tree of every saved ``ls.TrainState``, and
-    Orbax and ``flax.serialization`` would refuse the checkpoints saved without it.)
+    For ``nn.BatchNorm``, subclass it as flax's examples do (``class
+    TrainState(ls.TrainState): batch_stats: Any``; docs/linen.md) and pass
+    ``apply_gradients(grads=..., batch_stats=...)``. Fields passed there are stored on a
+    skipped step too, as in flax's dynamic-scale recipe: an overflow is a property of the
+    scaled backward pass, not of the forward pass. (Not a field of this class: it would
+    change the tree of every saved ``ls.TrainState``.)
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -50,23 +46,17 @@ class TrainState(train_state.TrainState):
     def apply_gradients(self, *, grads: Any, loss: Any = None, **kwargs: Any) -> TrainState:
         """Applies the scaled ``grads``, skipping the step if they (or ``loss``) are not
         finite. Keyword arguments that name fields of the state replace them, as in flax;
-        the others are the optimizer's extra arguments (``value=``, ``grad=``,
-        ``value_fn=`` for ``optax.lbfgs`` and the line searches), forwarded to ``tx``.
-        With ``max_replays`` (docs/replay.md), ``value_fn=lambda params:
-        loss_fn(params, batch)`` is the loss a replay differentiates again.
-
-        As flax's ``TrainState`` does, when the params hold flax's
-        ``_overwrite_with_gradient`` collection (the amax histories and scales of the
-        ``flax.linen.fp8_ops`` layers), the optimizer steps only ``params["params"]``:
-        that collection's "gradients" are its new values, assigned as they are (neither
-        unscaled nor checked), on skipped steps too.
-        """
+        the others go to ``tx`` (``value_fn=`` for ``optax.lbfgs``, or the loss a replay
+        differentiates again, docs/replay.md). As in flax, when the params hold the
+        ``_overwrite_with_gradient`` collection (``flax.linen.fp8_ops``), only
+        ``params["params"]`` is stepped; that collection's "gradients" are its new values,
+        assigned unchecked, on skipped steps too."""
         fields = {f.name for f in dataclasses.fields(self)}
         replace = {k: v for k, v in kwargs.items() if k in fields}
         extra = {k: v for k, v in kwargs.items() if k not in fields}
         if loss is not None:
             extra["loss"] = loss
-        overwrite = _has_overwrite(grads)
+        overwrite = isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
         grads_with_opt = grads["params"] if overwrite else grads
         params_with_opt = self.params["params"] if overwrite else self.params
         if overwrite and callable(extra.get("value_fn")):  # a loss of params["params"]
@@ -90,6 +80,3 @@ class TrainState(train_state.TrainState):
         refuse_misplaced_wrapper(state.opt_state)
         return state
 
-
-def _has_overwrite(tree: Any) -> bool:
-    return isinstance(tree, Mapping) and OVERWRITE_WITH_GRADIENT in tree

@@ -1,23 +1,6 @@
-"""flax ``nnx`` integration: gradients of the scaled loss, and a fused ``nnx.Optimizer``.
+"""flax ``nnx``: gradients of the scaled loss, and a fused ``nnx.Optimizer`` (README.md).
 
-Reached as ``loss_scaling.nnx`` (imported on first use, so ``import loss_scaling`` does not
-import ``flax.nnx``). Two pieces:
-
-* :func:`value_and_grad` (also what ``loss_scaling.value_and_grad`` runs when an argument
-  is an ``nnx`` Module): ``nnx.value_and_grad`` of the scaled loss. It differentiates only
-  the optimizer's ``wrt`` filter (``nnx.Param`` when the loss scale does not come from an
-  ``nnx.Optimizer``) and threads everything else exactly as ``nnx.value_and_grad`` does:
-  BatchNorm statistics, Dropout's ``Rngs`` streams and any other mutable ``nnx.Variable``
-  are updated in place by the forward pass.
-* :class:`Optimizer`: a ``flax.nnx.Optimizer`` whose ``update`` runs the inner update and
-  its application to the model under one skip decision
-  (:func:`loss_scaling.apply_gradients`), the fused step.
-
-A skipped step leaves the parameters and the optimizer state bit-identical, but *keeps*
-what the forward pass wrote into the model's other variables (BatchNorm's running
-statistics, the Dropout RNG counts): that pass was computed and is as valid as in an
-unscaled run, and an overflow is a property of the scaled backward pass only. Exactly as
-with ``nnx.value_and_grad`` and a step that the user chose not to apply.
+Reached as ``loss_scaling.nnx``, imported on first use.
 """
 
 from __future__ import annotations
@@ -31,9 +14,8 @@ from flax import nnx
 
 from loss_scaling import _registry
 from loss_scaling._errors import describe
-from loss_scaling.checkpoint._values import place_like
 from loss_scaling.core.scalers import (
-    _DYNAMIC_LEAVES,
+    DYNAMIC_LEAVES,
     HEADROOM_LEAVES,
     DynamicLossScale,
     LossScale,
@@ -62,15 +44,13 @@ def contains_graph_nodes(tree: Any) -> bool:
 
 def scaler_of(state: Any) -> Any:
     """The loss scale held by ``state``, or an error saying what the first argument must be."""
-    if nnx.graph.is_graph_node(state) and not isinstance(state, nnx.Optimizer):
-        raise TypeError(WRONG_FIRST_ARGUMENT.format(
-            what=describe(state),
-            hint=" (an nnx graph node that is not an optimizer: did you pass the model "
-                 "first, or forget the optimizer?)"))
     if isinstance(state, nnx.Variable):
-        raise TypeError(WRONG_FIRST_ARGUMENT.format(
-            what=describe(state), hint=" (a Variable: did you forget the optimizer?)"))
-    return scaler_of_state(state)
+        hint = " (a Variable: did you forget the optimizer?)"
+    elif nnx.graph.is_graph_node(state) and not isinstance(state, nnx.Optimizer):
+        hint = " (an nnx graph node that is not an optimizer: did you pass the model first?)"
+    else:
+        return scaler_of_state(state)
+    raise TypeError(WRONG_FIRST_ARGUMENT.format(what=describe(state), hint=hint))
 
 
 def value_and_grad(
@@ -82,15 +62,12 @@ def value_and_grad(
 ) -> Callable[..., Any]:
     """``nnx.value_and_grad`` of the scaled loss: unscaled loss (and aux), scaled grads.
 
-    The returned function takes the loss scale's holder first (an ``nnx.Optimizer``
-    built with :func:`~loss_scaling.with_loss_scaling`, or anything
-    :func:`~loss_scaling.get_loss_scale` accepts, or a loss-scale state), then ``fun``'s
-    arguments. Module arguments at ``argnums`` are differentiated with respect to
-    ``wrt``: by default the optimizer's own ``wrt`` filter when the first argument is an
-    ``nnx.Optimizer``, else ``nnx.Param``. All other state of every Module argument (RNG
-    streams, BatchNorm statistics, counters) is updated in place as the forward pass
-    left it, as ``nnx.value_and_grad`` does. ``loss_scaling.value_and_grad`` calls this
-    whenever an argument is an ``nnx`` graph node.
+    The returned function takes the loss scale's holder first (an ``nnx.Optimizer``, or
+    anything :func:`~loss_scaling.get_loss_scale` accepts), then ``fun``'s arguments.
+    Module arguments at ``argnums`` are differentiated with respect to ``wrt`` (by
+    default the optimizer's own filter, else ``nnx.Param``); their other state (RNG
+    streams, BatchNorm statistics) is updated in place, as ``nnx.value_and_grad`` does.
+    ``loss_scaling.value_and_grad`` calls this whenever an argument is an ``nnx`` node.
 
     Args:
       fun: the loss function; returns a scalar loss (or ``(loss, aux)``).
@@ -129,18 +106,13 @@ def value_and_grad(
 
     def wrapped(state: Any, *args: Any, **kwargs: Any) -> Any:
         scaler = scaler_of(state)
-        if wrt is not None:
-            filter_ = wrt
-        elif isinstance(state, nnx.Optimizer):
-            filter_ = state.wrt
-        else:
-            filter_ = nnx.Param
-        for i in argnum_tuple:
-            if i >= len(args):
-                raise TypeError(
-                    f"argnums={argnums!r} names argument {i} of loss_fn, but only {len(args)} "
-                    "were given after the loss scale: call "
-                    "`ls.value_and_grad(loss_fn)(optimizer, model, *args)`.")
+        filter_ = wrt if wrt is not None else (
+            state.wrt if isinstance(state, nnx.Optimizer) else nnx.Param)
+        if max(argnum_tuple) >= len(args):
+            raise TypeError(
+                f"argnums={argnums!r} names an argument of loss_fn beyond the {len(args)} "
+                "given after the loss scale: call "
+                "`ls.value_and_grad(loss_fn)(optimizer, model, *args)`.")
         nnx_argnums = tuple(
             nnx.DiffState(i, filter_) if is_graph_node(args[i]) else i for i in argnum_tuple)
 
@@ -160,19 +132,12 @@ class Optimizer(nnx.Optimizer):
     """``flax.nnx.Optimizer`` with the fused loss-scaled step.
 
     Build it with ``tx=with_loss_scaling(...)`` and pass the gradients of the *scaled*
-    loss (from :func:`loss_scaling.value_and_grad`). ``update`` runs the inner update and
-    its application to the model under one skip decision
-    (:func:`loss_scaling.apply_gradients`), so the updates are never materialized: the
-    cheapest step. A skipped step leaves the ``wrt`` variables and ``opt_state``
-    bit-identical; ``step`` counts every call, skipped ones included
-    (``loss_scaling.metrics(optimizer)`` counts the skips). With any other ``tx`` it is a
-    plain ``nnx.Optimizer``.
-
-    The loss scale's configuration is also stored as metadata of its variables, so that
-    :func:`loss_scaling.get_loss_scale`, :func:`loss_scaling.metrics` and
-    :func:`loss_scaling.restore_loss_scale` work on ``nnx.state(optimizer)`` and on the
-    state from ``nnx.split(optimizer)`` (an Orbax checkpoint's restore target) as well as
-    on the optimizer.
+    loss (:func:`loss_scaling.value_and_grad`). ``update`` runs the inner update and its
+    application to the model under one skip decision (:func:`loss_scaling.apply_gradients`):
+    a skipped step leaves the ``wrt`` variables and ``opt_state`` bit-identical; ``step``
+    counts every call. The scaler's configuration is also kept as metadata of its
+    variables, so that ``get_loss_scale``, ``metrics`` and ``restore_loss_scale`` work on
+    ``nnx.state(optimizer)`` (an Orbax restore target) as on the optimizer.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -197,7 +162,9 @@ class Optimizer(nnx.Optimizer):
     def __init__(self, model: Any, tx: Any, *, wrt: Any, graph: bool | None = None) -> None:
         super().__init__(model, tx, wrt=wrt, graph=graph)
         refuse_misplaced_wrapper(self.opt_state)
-        for _, state in _wrapper_states(self.opt_state):
+        for _, state in optax.tree_utils.tree_get_all_with_path(  # holding nnx Variables
+                self.opt_state, LossScalingState.__name__,
+                filtering=lambda _, value: isinstance(value, LossScalingState)):
             scaler = state.scaler
             if isinstance(scaler, DynamicLossScale):
                 for leaf in jax.tree.leaves(scaler, is_leaf=is_graph_node):
@@ -206,20 +173,12 @@ class Optimizer(nnx.Optimizer):
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:
         """Applies the scaled ``grads`` to ``model``, or skips the step if they are not finite.
 
-        Args:
-          model: the Module the optimizer was built for.
-          grads: gradients of the scaled loss (``loss_scaling.value_and_grad``).
-          **kwargs: forwarded to the inner update; ``loss=`` is also checked (see
-            ``nonfinite_loss`` in :func:`loss_scaling.with_loss_scaling`). With
-            ``max_replays``, ``value_fn=lambda model: loss_fn(model, batch)`` takes the
-            *model*: a replay runs it on a copy merged from the ``wrt`` arrays being
-            replayed and the model's other variables as they are now (after the first
-            pass); what it writes into that copy (BatchNorm statistics, RNG counts) is
-            discarded (docs/replay.md).
-
-        Returns:
-          None: unlike ``nnx.Optimizer.update``, the updates never leave the skip
-          decision (that is what makes the step cheap).
+        ``kwargs`` go to the inner update; ``loss=`` is also checked. With
+        ``max_replays``, ``value_fn=lambda model: loss_fn(model, batch)`` takes the
+        *model*: a replay runs it on a copy merged from the replayed ``wrt`` arrays and
+        the model's other variables, and discards what it writes there (docs/replay.md).
+        Returns None: unlike ``nnx.Optimizer.update``, the updates never leave the skip
+        decision (that is what makes the step cheap).
         """
         _refuse_swapped_update(model, grads)
         param_arrays = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
@@ -266,24 +225,14 @@ def _loss_of_params(model: Any, wrt: Any, graph: bool | None,
     return lambda params: value_fn(nnx.merge(graphdef, params, rest))
 
 
-def _wrapper_states(opt_state: Any) -> list[tuple[Any, LossScalingState]]:
-    return optax.tree_utils.tree_get_all_with_path(
-        opt_state, LossScalingState.__name__,
-        filtering=lambda _, value: isinstance(value, LossScalingState))
-
-
 # ------------------------------------------------- nnx states, for lookup and restore
 
 
 def unwrap(x: Any) -> Any:
-    """Replaces flax.nnx Variables (as found in ``nnx.Optimizer.opt_state``) by values.
-
-    An ``nnx.State`` (``nnx.state(optimizer)``, the state from ``nnx.split(optimizer)``)
-    holds the wrapper's state as a plain mapping of its fields: it is rebuilt into a
-    :class:`LossScalingState` (see :func:`_from_nnx_state`). Optimizers and States are
-    found anywhere in ``x``, e.g. in the dict ``{"model": nnx.state(model), "optimizer":
-    nnx.state(optimizer)}`` that an Orbax checkpoint saves.
-    """
+    """``x`` with its nnx Optimizers and States (anywhere, e.g. in ``{"model": ...,
+    "optimizer": nnx.state(optimizer)}``) as optax states, Variables as their values.
+    An ``nnx.State`` holds the wrapper's state as a mapping of its fields: it is rebuilt
+    into a :class:`LossScalingState` (:func:`_from_nnx_state`)."""
     def rebuild(node: Any) -> Any:
         if isinstance(node, nnx.Optimizer):
             node = node.opt_state
@@ -298,16 +247,14 @@ def unwrap(x: Any) -> Any:
 # Fields that every wrapper state has leaves for, which identify its mapping in an
 # nnx.State (an empty inner state, a NoOp scaler or disabled underflow statistics have
 # none, so nnx.state drops those keys).
-_ALWAYS_PRESENT = frozenset({"skipped_steps", "consecutive_skips", "last_step_finite",
-                             "nonfinite_loss_steps", "nonfinite_grads"})
+_ALWAYS_PRESENT = frozenset(LossScalingState._fields) - {"scaler", "inner_state", "underflow"}
+
+
 def _from_nnx_state(node: Any) -> Any:
     """Nested mappings with every wrapper state's mapping rebuilt as a LossScalingState.
-
-    The scaler's configuration is static (not a leaf), so ``nnx.state`` drops it; a
-    ``loss_scaling.nnx.Optimizer`` keeps it as metadata of the scaler's Variables. From a
-    plain ``nnx.Optimizer``'s state the dynamic scaler is rebuilt with ``config=None``
-    (:func:`get_loss_scale` refuses it; :func:`metrics` reads only values).
-    """
+    ``nnx.state`` drops the scaler's static configuration; ``Optimizer`` keeps it as
+    Variable metadata. Without it (a plain ``nnx.Optimizer``) the config is None:
+    :func:`get_loss_scale` refuses that scaler, :func:`metrics` reads only values."""
     if not isinstance(node, Mapping):
         return node
     keys = set(node)
@@ -330,7 +277,7 @@ def _scaler_from_mapping(node: Any) -> LossScale:
         return jax.tree.unflatten(jax.tree.structure(StaticLossScale(1.0)), [node["loss_scale"]])
     metadata: dict[str, Any] = getattr(node.get("loss_scale"), "get_metadata", dict)()
     config: Any = metadata.get(CONFIG_METADATA)  # None: get_loss_scale refuses it
-    leaves = HEADROOM_LEAVES if "grad_max_history" in node else _DYNAMIC_LEAVES
+    leaves = HEADROOM_LEAVES if "grad_max_history" in node else DYNAMIC_LEAVES
     return DynamicLossScale._from_parts(config, tuple(node[name] for name in leaves))
 
 
@@ -353,7 +300,7 @@ def replace_scale(state: Any, new: LossScale, path: str | None) -> Any:
             raise ValueError(
                 f"restore_loss_scale found {len(owners)} nnx Variables holding one loss-scale "
                 "array; it replaces exactly one: give each loss scale its own arrays.")
-        replace[id(owners[0])] = place_like(new_leaf, old_leaf)
+        replace[id(owners[0])] = new_leaf  # placed in old_leaf's layout by the caller
     if isinstance(state, nnx.Optimizer):
         for v in variables:
             if id(v) in replace:
