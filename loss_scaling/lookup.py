@@ -47,7 +47,7 @@ def _not_a_state(x: Any) -> str | None:
     return None
 
 
-def unwrap(x: Any) -> Any:
+def unwrap_frameworks(x: Any) -> Any:
     """``x`` with the containers of imported frameworks (an ``nnx.Optimizer``, an
     ``nnx.State``, ``nnx.Variable``) replaced by the optax states they hold: the
     integrations' hooks (:mod:`loss_scaling._registry`); a pure-optax state passes through."""
@@ -61,12 +61,12 @@ def refuse_misplaced_wrapper(opt_state: Any) -> None:
     """Raises ``ValueError`` if a wrapper state is not the outermost transformation (inside
     ``optax.MultiSteps``, after a clip in ``optax.chain``, ...) of any state
     :func:`get_loss_scale` accepts (:mod:`loss_scaling.wrapper.placement`)."""
-    placement.refuse_misplaced_wrapper(unwrap(opt_state))
+    placement.refuse_not_outermost(unwrap_frameworks(opt_state))
 
 
 def all_wrapper_states(opt_state: Any) -> list[tuple[str, LossScalingState]]:
     """Every wrapper state with its key path (of any state :func:`get_loss_scale` accepts)."""
-    return wrapper_state.wrapper_states_in(unwrap(opt_state))
+    return wrapper_state.wrapper_states_in(unwrap_frameworks(opt_state))
 
 
 def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:

@@ -13,19 +13,19 @@ import numpy as np
 import optax
 
 from loss_scaling import _errors
-from loss_scaling.core import update as scalers
 from loss_scaling.core.scalers import (
     SCALER_TYPES,
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
 )
+from loss_scaling.core.update import scaler_failure_message
 from loss_scaling.lookup import _NO_CONFIG, _get_wrapper_state, refuse_misplaced_wrapper
 from loss_scaling.wrapper.state import (
     SUSPICIOUS_GROWTHS,
     UnderflowStats,
-    failure_message,
-    leaf_names,
+    key_path_names,
+    wrapper_failure_message,
 )
 
 __all__ = ["check", "metrics", "nonfinite_grad_paths"]
@@ -62,7 +62,7 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
 
     Returns:
       ``loss_scale``; ``growth_tracker`` (0 for non-dynamic scales); ``skipped_steps``,
-      ``consecutive_skips`` and ``last_step_finite``; ``nonfinite_loss_steps`` (skips
+      ``consecutive_skips`` and ``last_step_applied``; ``nonfinite_loss_steps`` (skips
       caused by a non-finite ``loss=``); ``nonfinite_grad_leaves``, the number of
       gradient leaves that were non-finite on the most recent skipped step; ``failed``
       (bool) and ``failure`` (the int32 :class:`loss_scaling.Failure` code): whether the
@@ -91,9 +91,10 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       >>> opt_state = ls.with_loss_scaling(optax.sgd(1.0)).init(jnp.zeros(2))
       >>> {k: v.item() for k, v in ls.metrics(opt_state).items()}  # doctest: +NORMALIZE_WHITESPACE
       {'loss_scale': 32768.0, 'growth_tracker': 0, 'skipped_steps': 0,
-       'consecutive_skips': 0, 'last_step_finite': True, 'nonfinite_loss_steps': 0,
-       'nonfinite_grad_leaves': 0, 'failed': False, 'failure': 0, 'clean_growths': 0,
-       'scale_suspicious': False, 'grad_norm': 0.0, 'replays': 0, 'last_step_replays': 0}
+       'consecutive_skips': 0, 'last_step_applied': True, 'last_step_finite': True,
+       'nonfinite_loss_steps': 0, 'nonfinite_grad_leaves': 0, 'failed': False,
+       'failure': 0, 'clean_growths': 0, 'scale_suspicious': False, 'grad_norm': 0.0,
+       'replays': 0, 'last_step_replays': 0}
     """
     if isinstance(opt_state, SCALER_TYPES):
         raise TypeError(METRICS_OF_A_SCALER.format(what=type(opt_state).__name__))
@@ -106,7 +107,8 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
         "growth_tracker": jnp.zeros((), jnp.int32) if tracker is None else tracker,
         "skipped_steps": state.skipped_steps,
         "consecutive_skips": state.consecutive_skips,
-        "last_step_finite": state.last_step_finite,
+        "last_step_applied": state.last_step_applied,
+        "last_step_finite": state.last_step_applied,  # the old key, kept while callers move
         "nonfinite_loss_steps": state.nonfinite_loss_steps,
         "nonfinite_grad_leaves": jnp.sum(state.nonfinite_grads, axis=-1, dtype=jnp.int32),
         "failed": state.failure != _errors.Failure.NONE,
@@ -214,7 +216,7 @@ def gradient_leaf_names(params: Any) -> list[str]:
     """The names of the gradient leaves that ``params`` receives, one per non-finite flag.
 
     The one naming of gradient leaves (:func:`nonfinite_grad_paths` and the messages of
-    :func:`check` use it): :func:`~loss_scaling.wrapper.state.leaf_names` (key paths written by
+    :func:`check` use it): :func:`~loss_scaling.wrapper.state.key_path_names` (key paths written by
     ``jax.tree_util.keystr(path, simple=True, separator=".")``) of the differentiated part
     of ``params``. The gradients mirror the params, except around wrappers whose params
     carry more than is differentiated: ``optax.lookahead`` takes
@@ -222,7 +224,7 @@ def gradient_leaf_names(params: Any) -> list[str]:
     """
     if isinstance(params, optax.LookaheadParams):
         params = params.fast
-    return leaf_names(params)
+    return key_path_names(params)
 
 
 def _host(x: Any) -> np.ndarray:
@@ -340,7 +342,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
             if isinstance(failed, DynamicLossScale):
                 code = failure.reshape(-1)[int(np.argmax(failure.reshape(-1) != 0))]
                 failed = failed._replace(failure=np.asarray(code, np.int32))
-            raise _errors.LossScaleError(scalers.failure_message(failed))
+            raise _errors.LossScaleError(scaler_failure_message(failed))
         return
     refuse_misplaced_wrapper(state)
     wrapper = _get_wrapper_state(state, path)
@@ -363,7 +365,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
                 f"the run has failed ({code.name}, loss scale "
                 f"{float(np.asarray(scaler.loss_scale))!r}). {_NO_CONFIG} For the full "
                 "message, call check on the optimizer.")
-        raise _errors.LossScaleError(failure_message(failed, names))
+        raise _errors.LossScaleError(wrapper_failure_message(failed, names))
     if scale is not None and np.any(scale_suspicious(growths, scale)):
         now = float(_host(jnp.asarray(wrapper.scaler.loss_scale)).reshape(-1)[0])
         warnings.warn(_errors.SUSPICIOUS_SCALE.format(growths=int(np.max(growths)),

@@ -5,8 +5,8 @@
   (:func:`compute_dtype`), complex leaves part by part (:func:`_per_part`).
 * **The reciprocal** (:func:`reciprocal`). Unscaling multiplies by ``r = float32(1 /
   scale)``, as PyTorch's kernel does. For a scale above 2**126, ``r`` is subnormal and
-  XLA on CPU flushes it to zero, so ``r`` is held as ``normal * post`` with both factors
-  normal. Derivation: a normal float32 ``scale`` is ``m * 2**(e - 150)`` with the
+  XLA on CPU flushes it to zero, so ``r`` is held as ``lifted * unlift`` with both
+  factors normal. Derivation: a normal float32 ``scale`` is ``m * 2**(e - 150)`` with the
   biased exponent ``e`` and the integer mantissa ``m`` in ``[2**23, 2**24)``. A scale
   in ``(2**126, 2**128)`` has ``e - 127`` equal to 126 or 127, i.e. ``e`` is 253 or 254.
   The subnormal ``r`` is an integer multiple of the smallest subnormal 2**-149:
@@ -14,8 +14,8 @@
   quotient ``q = round(2**46 / m)`` (e = 253) or ``round(2**45 / m) = round(2**46 /
   (2 * m))`` (e = 254), computed by integer long division (:func:`_rounded_quotient`),
   so rounded once, never twice (and never a tie: see there). ``q`` lies in ``[2**21,
-  2**23]``, so ``normal = r * 2**64 = q * 2**-85`` (an integer below 2**24 times a
-  power of two: exact, and normal), and ``post = 2**-64``. ``(x * normal) * post`` is
+  2**23]``, so ``lifted = r * 2**64 = q * 2**-85`` (an integer below 2**24 times a
+  power of two: exact, and normal), and ``unlift = 2**-64``. ``(x * lifted) * unlift`` is
   then ``round(x * q * 2**-85) * 2**-64``, which equals ``round(x * r)`` whenever the
   result is normal, since multiplying by a power of two between normal numbers commutes
   with rounding. So ``unscale`` gives PyTorch's bits wherever the result is a normal
@@ -96,29 +96,29 @@ def _per_part(x: jax.Array, fn: Any) -> jax.Array:
 
 
 class Reciprocal(NamedTuple):
-    """``r = float32(1 / scale)``, held as ``normal * post`` with both factors normal.
+    """``r = float32(1 / scale)``, held as ``lifted * unlift`` with both factors normal.
 
-    For a scale up to 2**126, ``r`` is a normal float32: ``normal = r`` and ``post = 1``.
+    For a scale up to 2**126, ``r`` is a normal float32: ``lifted = r``, ``unlift = 1``.
     Above, ``r`` is subnormal (PyTorch keeps it; XLA on CPU flushes it to zero, which
-    would unscale every gradient to 0): then ``normal = r * 2**64`` and ``post = 2**-64``.
-    ``(x * normal) * post`` equals ``x * r`` exactly whenever that product is a normal
-    float32, because multiplying by a power of two between normal numbers is exact.
-    ``normal`` is computed from the scale's bits by an integer division, so it is ``r``'s
-    exact value rounded once (to nearest, ties to even), never a twice-rounded one.
+    would unscale every gradient to 0): then ``lifted = r * 2**64`` and ``unlift =
+    2**-64``, and ``(x * lifted) * unlift`` equals ``x * r`` wherever that product is a
+    normal float32 (the derivation is in the module docstring).
 
-    Both factors live in one array, ``factors[..., 0]`` and ``factors[..., 1]``: on XLA
-    CPU every scalar a kernel materializes (e.g. to pass it into a conditional) is a
-    kernel to compile, while a slice read by its consumer is fused into it.
+    Both factors live in one array (``factors[..., 0]``, ``factors[..., 1]``): on XLA CPU
+    every scalar a kernel materializes is a kernel to compile, while a slice read by its
+    consumer is fused into it.
     """
 
     factors: jax.Array
 
     @property
-    def normal(self) -> jax.Array:
+    def lifted(self) -> jax.Array:
+        """``r``, or ``r * 2**64`` where ``r`` is subnormal: the first factor."""
         return self.factors[..., 0]
 
     @property
-    def post(self) -> jax.Array:
+    def unlift(self) -> jax.Array:
+        """1, or ``2**-64``: the power of two that takes ``lifted`` back to ``r``."""
         return self.factors[..., 1]
 
 
@@ -151,13 +151,13 @@ def reciprocal(scale: jax.Array) -> Reciprocal:
     # with divisor = m for e = 253 (odd) and 2 * m for e = 254 (even).
     even_exponent = (lax.shift_right_logical(bits, jnp.int32(23)) & 1) ^ 1
     quotient = _rounded_quotient(lax.shift_left(mantissa, even_exponent))
-    lifted = quotient.astype(jnp.float32) * jnp.float32(2.0**-85)  # r * 2**64, exact
+    lifted_subnormal = quotient.astype(jnp.float32) * jnp.float32(2.0**-85)  # r * 2**64
     subnormal = (scale > _F32_TINY**-1) & (scale <= _F32_MAX)
-    normal = lax.select(subnormal, lifted, 1 / scale)
-    post = jnp.where(subnormal, jnp.float32(1 / _SPLIT), jnp.float32(1.0))
-    # A barrier keeps XLA from folding (x * normal) * post into x * (normal * post) when
+    lifted = lax.select(subnormal, lifted_subnormal, 1 / scale)
+    unlift = jnp.where(subnormal, jnp.float32(1 / _SPLIT), jnp.float32(1.0))
+    # A barrier keeps XLA from folding (x * lifted) * unlift into x * (lifted * unlift) when
     # the scale is a compile-time constant: that product is the subnormal we avoid.
-    return Reciprocal(lax.optimization_barrier(jnp.stack([normal, post], axis=-1)))
+    return Reciprocal(lax.optimization_barrier(jnp.stack([lifted, unlift], axis=-1)))
 
 
 def unscale_leaf(x: jax.Array, inverse: Reciprocal, cast_back: bool = True) -> jax.Array:
@@ -167,10 +167,10 @@ def unscale_leaf(x: jax.Array, inverse: Reciprocal, cast_back: bool = True) -> j
     leaf's dtype (unless ``cast_back=False``); the finite test and the wrapper's unscale
     share this function, so they agree on every input.
     """
-    return _times(x, inverse.normal, inverse.post, cast_back)
+    return _times(x, inverse.lifted, inverse.unlift, cast_back)
 
 
-def _times(x: Any, normal: jax.Array, post: jax.Array, cast_back: bool) -> jax.Array:
+def _times(x: Any, lifted: jax.Array, unlift: jax.Array, cast_back: bool) -> jax.Array:
     """:func:`unscale_leaf` by the two factors, taken out of the :class:`Reciprocal` once
     per tree (the step traces this once per leaf: ``lax`` calls keep that cheap)."""
     x = jnp.asarray(x)
@@ -178,20 +178,23 @@ def _times(x: Any, normal: jax.Array, post: jax.Array, cast_back: bool) -> jax.A
     dtype = _real_dtype(x.dtype) if cast_back else compute
     if compute == jnp.float64:
         # float64 keeps the float32 reciprocal's exact value (normal in float64).
-        factor = normal.astype(compute) * post.astype(compute)
+        factor = lifted.astype(compute) * unlift.astype(compute)
         return _per_part(x, lambda part: part * factor)
 
     def part_times(part: jax.Array) -> jax.Array:
-        product = lax.mul(lax.mul(lax.convert_element_type(part, compute), normal), post)
+        product = lax.mul(lax.mul(lax.convert_element_type(part, compute), lifted), unlift)
         return lax.convert_element_type(product, dtype)
 
     return _per_part(x, part_times)
 
 
-def unscale_tree(tree: Any, inverse: Reciprocal) -> Any:
-    """Every floating leaf of ``tree`` times the reciprocal (:func:`unscale_leaf`)."""
-    normal, post = inverse.normal, inverse.post
-    return jax.tree.map(lambda x: _times(x, normal, post, True) if is_floating(x) else x, tree)
+def unscale_tree(tree: Any, inverse: Reciprocal | None) -> Any:
+    """Every floating leaf of ``tree`` times the reciprocal (:func:`unscale_leaf`);
+    ``inverse=None`` (no scaling) returns ``tree`` itself."""
+    if inverse is None:
+        return tree
+    lifted, unlift = inverse.lifted, inverse.unlift
+    return jax.tree.map(lambda x: _times(x, lifted, unlift, True) if is_floating(x) else x, tree)
 
 
 def _and_over_axes(flags: jax.Array, axis_name: AxisName) -> jax.Array:

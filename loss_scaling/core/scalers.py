@@ -380,7 +380,7 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-def _rebuild(cls: type, aux: Any, children: tuple[Any, ...]) -> Any:
+def _unpickle(cls: type, aux: Any, children: tuple[Any, ...]) -> Any:
     """Unpickling: unflatten (no validation, like every unflatten) the pickled parts."""
     if cls is NoOpLossScale:
         return object.__new__(NoOpLossScale)
@@ -389,10 +389,10 @@ def _rebuild(cls: type, aux: Any, children: tuple[Any, ...]) -> Any:
     return DynamicLossScale._from_parts(aux, children)
 
 
-def _reduce(self: Any) -> tuple[Any, ...]:
+def _pickle_reduce(self: Any) -> tuple[Any, ...]:
     children, aux = jax.tree_util.tree_flatten(self)[0], getattr(self, "config", None)
-    return (_rebuild, (type(self), aux, tuple(children)))
+    return (_unpickle, (type(self), aux, tuple(children)))
 
 
 for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
-    _cls.__reduce__ = _reduce  # type: ignore[method-assign]
+    _cls.__reduce__ = _pickle_reduce  # type: ignore[method-assign]

@@ -70,7 +70,7 @@ def scale_loss(state: LossScale, loss: Any) -> Any:
     """:func:`scale` for ``ls.value_and_grad`` itself (no double-scaling check)."""
     if isinstance(state, NoOpLossScale):
         return loss
-    return _scale(state.loss_scale, loss)
+    return _times_factor(state.loss_scale, loss)
 
 
 def _check_state(state: Any) -> None:
@@ -78,7 +78,7 @@ def _check_state(state: Any) -> None:
 
 
 @jax.jit
-def _scale(factor: jax.Array, tree: Any) -> Any:
+def _times_factor(factor: jax.Array, tree: Any) -> Any:
     def leaf(x: Any) -> Any:
         if not is_floating(x):
             return x
@@ -90,7 +90,7 @@ def _scale(factor: jax.Array, tree: Any) -> Any:
 
 
 @jax.jit
-def _unscale(factor: jax.Array, tree: Any) -> Any:
+def _times_reciprocal(factor: jax.Array, tree: Any) -> Any:
     return unscale_tree(tree, reciprocal(factor))
 
 
@@ -161,7 +161,7 @@ def unscale(state: LossScale, tree: Any) -> Any:
     _check_state(state)
     if isinstance(state, NoOpLossScale):
         return tree
-    return _unscale(state.loss_scale, tree)
+    return _times_reciprocal(state.loss_scale, tree)
 
 
 def _all_finite(tree: Any, axis_name: AxisName) -> jax.Array:

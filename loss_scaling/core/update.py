@@ -280,7 +280,7 @@ def resolve_on_failure(on_failure: Any) -> OnFailure:
     return on_failure
 
 
-def failure_message(scaler: DynamicLossScale | StaticLossScale) -> str:
+def scaler_failure_message(scaler: DynamicLossScale | StaticLossScale) -> str:
     """The host-side message for a failed scaler (concrete, unreplicated values)."""
     code = Failure(int(np.asarray(getattr(scaler, "failure", Failure.INVALID_SCALE))))
     if code == Failure.BACKOFF_UNDERFLOW:
@@ -363,10 +363,10 @@ def update(
                                    *jax.tree.leaves(new_state))
         return new_state
     if np.any(np.asarray(new_state.failure)):
-        raise _errors.LossScaleError(failure_message(new_state))
+        raise _errors.LossScaleError(scaler_failure_message(new_state))
     return new_state
 
 
 def _message_from_leaves(config: DynamicConfig) -> Any:
-    return lambda *leaves: failure_message(DynamicLossScale._from_parts(config, leaves))
+    return lambda *leaves: scaler_failure_message(DynamicLossScale._from_parts(config, leaves))
 

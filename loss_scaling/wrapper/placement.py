@@ -37,7 +37,7 @@ from loss_scaling.wrapper.state import (
     refuse_wrapper_inside_multisteps,
 )
 
-__all__ = ["misplaced_wrapper_reason", "refuse_misplaced_wrapper"]
+__all__ = ["misplaced_wrapper_reason", "refuse_not_outermost"]
 
 WRAPPER_NOT_OUTERMOST = (
     "This optimizer state holds `ls.with_loss_scaling(...)` inside another transformation "
@@ -70,7 +70,7 @@ WHY_GROUP_WITHOUT_WRAPPER = (
 )
 
 
-def refuse_misplaced_wrapper(opt_state: Any) -> None:
+def refuse_not_outermost(opt_state: Any) -> None:
     """Raises ``ValueError`` if a wrapper state is not outermost in ``opt_state``.
 
     ``opt_state`` is a pure pytree (framework containers already unwrapped). The

@@ -34,8 +34,8 @@ from jax import lax
 
 from loss_scaling._errors import Failure, describe
 from loss_scaling.core import tree
-from loss_scaling.core import update as scalers
 from loss_scaling.core.scalers import DynamicLossScale
+from loss_scaling.core.update import backoff_now
 from loss_scaling.wrapper.screen import skip_cond
 from loss_scaling.wrapper.state import REPLAY_EXTRA_ARG, LossScalingState, WrapperOptions
 
@@ -145,7 +145,7 @@ def replay(options: WrapperOptions, state: LossScalingState, params: Any,
 
     def more(carry: tuple[Any, Any]) -> jax.Array:
         last, scaler = carry
-        lowered: DynamicLossScale = scalers.backoff_now(scaler)  # type: ignore[assignment]
+        lowered: DynamicLossScale = backoff_now(scaler)  # type: ignore[assignment]
         return (~last.grads_finite & last.loss_finite & last.healthy
                 & (last.replays < options.max_replays)
                 & (lowered.failure == Failure.NONE)
@@ -153,7 +153,7 @@ def replay(options: WrapperOptions, state: LossScalingState, params: Any,
 
     def again(carry: tuple[Any, Any]) -> tuple[Any, Any]:
         last, scaler = carry
-        scaler = scalers.backoff_now(scaler)
+        scaler = backoff_now(scaler)
         loss, grads = scaled_value_and_grad(value_fn, scaler, params, first_grads)
         extra = {**extra_args, "loss": loss}
         if extra_args.get("grad") is not None:

@@ -159,7 +159,7 @@ def finite_leaves(grads: Any, inverse: numerics.Reciprocal | None, axis_name: Ax
         return _exact_test(grads, inverse, axis_name, measure is not None)
     small_reciprocal = jnp.asarray(True)
     if inverse is not None:
-        small_reciprocal = (inverse.normal <= 1) | (inverse.post < 1)
+        small_reciprocal = (inverse.lifted <= 1) | (inverse.unlift < 1)
     sums = [numerics.sum_screen(numerics.group_vector(leaves, group)) for group in groups]
     cleared = [jnp.isfinite(x) & small_reciprocal for x in sums]
     # The branch must be the same on every replica: one collective for it and the norm.

@@ -13,9 +13,9 @@ import optax
 
 from loss_scaling import _errors
 from loss_scaling._errors import Failure
-from loss_scaling.core import update as scalers
 from loss_scaling.core.numerics import AxisName
 from loss_scaling.core.scalers import SCALER_TYPES, LossScale
+from loss_scaling.core.update import OnFailure, scaler_failure_message
 
 SkipMode = Literal["auto", "cond", "select"]
 NonFiniteLoss = Literal["backoff", "skip"]
@@ -43,7 +43,8 @@ class LossScalingState(NamedTuple):
       inner_state: the wrapped optimizer's state; unchanged by skipped steps.
       skipped_steps: int32, steps skipped in total (saturating).
       consecutive_skips: int32, steps skipped since the last applied one (saturating).
-      last_step_finite: bool, whether the last step was applied.
+      last_step_applied: bool, whether the last step was applied (its gradients, and the
+        loss when given, finite; the state healthy).
       nonfinite_loss_steps: int32, steps skipped because the ``loss`` passed to the
         update was itself non-finite (saturating).
       nonfinite_grads: bool vector with one entry per gradient leaf, in
@@ -79,7 +80,7 @@ class LossScalingState(NamedTuple):
     inner_state: optax.OptState
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
-    last_step_finite: jax.Array
+    last_step_applied: jax.Array
     nonfinite_loss_steps: jax.Array
     nonfinite_grads: jax.Array
     failure: jax.Array
@@ -89,6 +90,11 @@ class LossScalingState(NamedTuple):
     grad_norm: jax.Array
     replays: jax.Array
     last_step_replays: jax.Array
+
+    @property
+    def last_step_finite(self) -> jax.Array:
+        """The old name of :attr:`last_step_applied` (kept while callers move)."""
+        return self.last_step_applied
 
 
 class UnderflowStats(NamedTuple):
@@ -160,7 +166,7 @@ class WrapperOptions(NamedTuple):
     inner: optax.GradientTransformationExtraArgs
     axis_name: AxisName
     skip: SkipMode
-    on_failure: scalers.OnFailure
+    on_failure: OnFailure
     max_consecutive_skips: int | None
     nonfinite_loss: NonFiniteLoss
     underflow_diagnostics: bool
@@ -176,7 +182,7 @@ def initial_state(scaler: LossScale, inner_state: Any, n_grads: int,
         inner_state=inner_state,
         skipped_steps=jnp.zeros((), jnp.int32),
         consecutive_skips=jnp.zeros((), jnp.int32),
-        last_step_finite=jnp.ones((), jnp.bool_),
+        last_step_applied=jnp.ones((), jnp.bool_),
         nonfinite_loss_steps=jnp.zeros((), jnp.int32),
         nonfinite_grads=jnp.zeros((n_grads,), jnp.bool_),
         failure=jnp.zeros((), jnp.int32),
@@ -211,7 +217,7 @@ def _has_zero(dtype: Any) -> bool:
 
 def _refuse_dtypes_without_zero(params: Any) -> None:
     """Host side, at ``init``: float params in a dtype without a zero cannot be skipped."""
-    for name, leaf in zip(leaf_names(params), jax.tree.leaves(params), strict=True):
+    for name, leaf in zip(key_path_names(params), jax.tree.leaves(params), strict=True):
         dtype = getattr(leaf, "dtype", None)
         if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and not _has_zero(dtype):
             raise TypeError(NO_ZERO_PARAMS.format(leaf=name, dtype=jnp.dtype(dtype).name))
@@ -228,7 +234,7 @@ def _warn_low_precision_state(params: Any, inner_state: Any) -> None:
     def shown(names: list[str]) -> str:
         return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
-    named = list(zip(leaf_names(params), jax.tree.leaves(params), strict=True))
+    named = list(zip(key_path_names(params), jax.tree.leaves(params), strict=True))
     names = [name for name, leaf in named if narrow(leaf)]
     if names and any(narrow(leaf) for leaf in jax.tree.leaves(inner_state)):
         dtype = next(leaf.dtype for leaf in jax.tree.leaves(params) if narrow(leaf))
@@ -245,10 +251,10 @@ def _warn_low_precision_state(params: Any, inner_state: Any) -> None:
                           _errors.LossScaleWarning, stacklevel=3)
 
 
-def failure_message(state: LossScalingState, names: list[str] | None = None) -> str:
+def wrapper_failure_message(state: LossScalingState, names: list[str] | None = None) -> str:
     """The host-side message for a failed wrapper state (concrete, one replica).
 
-    ``names`` names the gradient leaves (:func:`leaf_names` of the params or gradients);
+    ``names`` names the gradient leaves (:func:`key_path_names` of the params or gradients);
     without them, leaves are named by their index in ``jax.tree.leaves`` order.
     """
     code = Failure(int(np.asarray(state.failure)))
@@ -263,11 +269,11 @@ def failure_message(state: LossScalingState, names: list[str] | None = None) -> 
         return _errors.nonfinite_loss_message(state.failure_skips,
                                               jnp.asarray(state.scaler.loss_scale))
     if code == Failure.BACKOFF_UNDERFLOW:
-        return scalers.failure_message(state.scaler)  # type: ignore[arg-type]
+        return scaler_failure_message(state.scaler)  # type: ignore[arg-type]
     return _errors.invalid_scale_message(jnp.asarray(state.scaler.loss_scale))
 
 
-def leaf_names(tree: Any) -> list[str]:
+def key_path_names(tree: Any) -> list[str]:
     """Dotted key paths of the leaves (``"encoder.layers.0.w"``), made unique."""
     names: list[str] = []
     for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:

@@ -21,8 +21,8 @@ from jax import lax
 from loss_scaling import _errors
 from loss_scaling._errors import Failure
 from loss_scaling.core import numerics
-from loss_scaling.core import update as scalers
 from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale
+from loss_scaling.core.update import is_positive_normal, records_max, step_recorded
 from loss_scaling.wrapper import replay
 from loss_scaling.wrapper.screen import finite_leaves, skip_cond
 from loss_scaling.wrapper.state import (
@@ -35,8 +35,8 @@ from loss_scaling.wrapper.state import (
     UnderflowStats,
     WrapperOptions,
     _count,
-    failure_message,
-    leaf_names,
+    key_path_names,
+    wrapper_failure_message,
 )
 
 
@@ -49,7 +49,7 @@ def _stepped_scaler(scaler: LossScale, finite: jax.Array,
     ``grads_max``: the scaled gradients' max |entry|, for ``growth="headroom"``.
     """
     if isinstance(scaler, DynamicLossScale):
-        return scalers.step_recorded(scaler, finite, grads_max=grads_max)
+        return step_recorded(scaler, finite, grads_max=grads_max)
     return scaler
 
 
@@ -90,10 +90,6 @@ def _reciprocal(scaler: LossScale) -> numerics.Reciprocal | None:
     return None if isinstance(scaler, NoOpLossScale) else numerics.reciprocal(scaler.loss_scale)
 
 
-def _unscale(grads: Any, inverse: numerics.Reciprocal | None) -> Any:
-    return grads if inverse is None else numerics.unscale_tree(grads, inverse)
-
-
 def _inner_extra_args(options: WrapperOptions, extra_args: dict[str, Any],
                       inverse: numerics.Reciprocal | None) -> dict[str, Any]:
     """The extra arguments for the inner update: ``grad=`` unscaled, ``loss=`` consumed;
@@ -101,7 +97,7 @@ def _inner_extra_args(options: WrapperOptions, extra_args: dict[str, Any],
     consumed: tuple[str, ...] = CONSUMED_EXTRA_ARGS
     if options.max_replays and not replay.inner_takes_value_fn(options.inner):
         consumed += (REPLAY_EXTRA_ARG,)
-    return {name: _unscale(value, inverse) if name in GRADIENT_EXTRA_ARGS else value
+    return {name: numerics.unscale_tree(value, inverse) if name in GRADIENT_EXTRA_ARGS else value
             for name, value in extra_args.items() if name not in consumed}
 
 
@@ -134,13 +130,13 @@ def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
             "of the params the state was initialised with.")
     inverse = _reciprocal(state.scaler)
     scaler = state.scaler
-    measure = (scalers.records_max(scaler) if isinstance(scaler, DynamicLossScale)
+    measure = (records_max(scaler) if isinstance(scaler, DynamicLossScale)
                and scaler.growth == "headroom" else None)
     leaf_finite, grads_finite, squares, grads_max = finite_leaves(
         grads, inverse, options.axis_name, measure)
     grad_norm = jnp.sqrt(squares)
     if inverse is not None:  # unscaled: by the reciprocal's two exact factors
-        grad_norm = (grad_norm * inverse.normal) * inverse.post
+        grad_norm = (grad_norm * inverse.lifted) * inverse.unlift
     for name in GRADIENT_EXTRA_ARGS:
         if extra_args.get(name) is not None:
             grads_finite &= numerics.unscaled_finite_leaves(extra_args[name], inverse,
@@ -156,7 +152,7 @@ def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
         healthy &= state.scaler.failure == Failure.NONE  # state: its own register counts
     valid_scale = jnp.asarray(True)
     if inverse is not None:
-        valid_scale = scalers.is_positive_normal(state.scaler.loss_scale)
+        valid_scale = is_positive_normal(state.scaler.loss_scale)
     healthy &= valid_scale
     return StepDecision(healthy & grads_finite & loss_finite, healthy, valid_scale,
                         grads_finite, loss_finite, leaf_finite, grads, inverse, grad_norm,
@@ -199,7 +195,7 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
         inner_state=inner_state,
         skipped_steps=_count(state.skipped_steps, applied, reset=False),
         consecutive_skips=consecutive_skips,
-        last_step_finite=applied,
+        last_step_applied=applied,
         nonfinite_loss_steps=_count(state.nonfinite_loss_steps, decision.loss_finite,
                                     reset=False),
         nonfinite_grads=jnp.where(keep_flags, state.nonfinite_grads, ~decision.leaf_finite),
@@ -212,7 +208,7 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
                  if replay.enabled(options, state) else state.replays),
         last_step_replays=decision.replays,
     )
-    _report(options, new_state, fails, leaf_names(decision.grads))
+    _report(options, new_state, fails, key_path_names(decision.grads))
     return new_state
 
 
@@ -255,12 +251,13 @@ def _report(options: WrapperOptions, state: LossScalingState, fails: jax.Array,
     values = jax.tree.leaves(state)
     if not any(isinstance(x, jax.core.Tracer) for x in values):
         if np.any(np.asarray(state.failure)):
-            raise _errors.LossScaleError(failure_message(state, names))
+            raise _errors.LossScaleError(wrapper_failure_message(state, names))
         return
     if options.on_failure == "raise":
         treedef = jax.tree.structure(state)
         _errors.raise_in_graph(
-            fails, lambda *leaves: failure_message(jax.tree.unflatten(treedef, leaves), names),
+            fails,
+            lambda *leaves: wrapper_failure_message(jax.tree.unflatten(treedef, leaves), names),
             *values)
 
 
@@ -291,7 +288,8 @@ def _inner_step(options: WrapperOptions, inverse: numerics.Reciprocal | None,
                 extra_args: dict[str, Any], fused: bool, operands: Any) -> Any:
     """The taken branch: unscale, the inner update and, fused, ``apply_updates``."""
     grads, inner_state, params = operands
-    unscaled, extra = _unscale(grads, inverse), _inner_extra_args(options, extra_args, inverse)
+    unscaled = numerics.unscale_tree(grads, inverse)
+    extra = _inner_extra_args(options, extra_args, inverse)
     try:
         updates, new_inner = options.inner.update(unscaled, inner_state, params, **extra)
     except TypeError as error:  # replay's value_fn, refused inside a chain (sam)

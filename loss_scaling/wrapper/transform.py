@@ -27,7 +27,6 @@ from typing import Any
 import optax
 
 from loss_scaling import _errors
-from loss_scaling.core import update as scalers
 from loss_scaling.core import validation
 from loss_scaling.core.numerics import AxisName
 from loss_scaling.core.scalers import (
@@ -37,8 +36,9 @@ from loss_scaling.core.scalers import (
     NoOpLossScale,
     require_scaler,
 )
+from loss_scaling.core.update import OnFailure, resolve_on_failure
 from loss_scaling.wrapper import provenance
-from loss_scaling.wrapper.placement import refuse_misplaced_wrapper
+from loss_scaling.wrapper.placement import refuse_not_outermost
 from loss_scaling.wrapper.state import (
     MAX_NONFINITE_LOSSES,
     MAX_REPLAYS,
@@ -79,7 +79,7 @@ def with_loss_scaling(
     *,
     axis_name: AxisName = None,
     skip: SkipMode = "auto",
-    on_failure: scalers.OnFailure = "record",
+    on_failure: OnFailure = "record",
     max_consecutive_skips: int | None = None,
     nonfinite_loss: NonFiniteLoss = "backoff",
     underflow_diagnostics: bool = False,
@@ -189,7 +189,7 @@ def with_loss_scaling(
       >>> ls.check(opt_state)    # healthy: returns None
     """
     _refuse_other_inner(inner)
-    on_failure = scalers.resolve_on_failure(on_failure)
+    on_failure = resolve_on_failure(on_failure)
     if skip not in ("auto", "cond", "select"):
         raise ValueError(f"skip must be 'auto', 'cond' or 'select', got {skip!r}.")
     if nonfinite_loss not in ("backoff", "skip"):
@@ -293,7 +293,7 @@ def apply_gradients(
         return guarded_step(options, grads, opt_state, params, extra_args, fused=True)
     if isinstance(opt_state, LossScalingState):
         raise TypeError(NOT_THE_WRAPPER.format(what=_errors.describe(tx)))
-    refuse_misplaced_wrapper(opt_state)
+    refuse_not_outermost(opt_state)
     updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     return optax.apply_updates(params, updates), opt_state
 
