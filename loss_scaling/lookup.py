@@ -11,7 +11,6 @@ from loss_scaling import _registry
 from loss_scaling._errors import NoLossScaleFound
 from loss_scaling.core.scalers import SCALER_TYPES, DynamicLossScale, LossScale
 from loss_scaling.wrapper import placement
-from loss_scaling.wrapper import state as wrapper_state
 from loss_scaling.wrapper.state import LossScalingState
 
 _NO_CONFIG = (
@@ -66,7 +65,7 @@ def refuse_misplaced_wrapper(opt_state: Any) -> None:
 
 def all_wrapper_states(opt_state: Any) -> list[tuple[str, LossScalingState]]:
     """Every wrapper state with its key path (of any state :func:`get_loss_scale` accepts)."""
-    return wrapper_state.wrapper_states_in(unwrap_frameworks(opt_state))
+    return placement.wrapper_states_in(unwrap_frameworks(opt_state))
 
 
 def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:

@@ -34,9 +34,9 @@ from jax import lax
 
 from loss_scaling._errors import Failure, describe
 from loss_scaling.core import tree
+from loss_scaling.core.numerics import skip_cond
 from loss_scaling.core.scalers import DynamicLossScale
 from loss_scaling.core.update import backoff_now
-from loss_scaling.wrapper.screen import skip_cond
 from loss_scaling.wrapper.state import REPLAY_EXTRA_ARG, LossScalingState, WrapperOptions
 
 NO_VALUE_FN = (

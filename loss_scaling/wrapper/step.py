@@ -21,10 +21,10 @@ from jax import lax
 from loss_scaling import _errors
 from loss_scaling._errors import Failure
 from loss_scaling.core import numerics
+from loss_scaling.core.numerics import finite_leaves, skip_cond
 from loss_scaling.core.scalers import DynamicLossScale, LossScale, NoOpLossScale
 from loss_scaling.core.update import is_positive_normal, records_max, step_recorded
 from loss_scaling.wrapper import replay
-from loss_scaling.wrapper.screen import finite_leaves, skip_cond
 from loss_scaling.wrapper.state import (
     _BELOW_F16_TINY,
     CONSUMED_EXTRA_ARGS,

@@ -38,7 +38,7 @@ from loss_scaling.core.scalers import (
 )
 from loss_scaling.core.update import OnFailure, resolve_on_failure
 from loss_scaling.wrapper import provenance
-from loss_scaling.wrapper.placement import refuse_not_outermost
+from loss_scaling.wrapper.placement import refuse_not_outermost, wrapper_states_in
 from loss_scaling.wrapper.state import (
     MAX_NONFINITE_LOSSES,
     MAX_REPLAYS,
@@ -51,7 +51,6 @@ from loss_scaling.wrapper.state import (
     _warn_low_precision_state,
     gradient_leaf_count,
     initial_state,
-    refuse_other_state,
 )
 from loss_scaling.wrapper.step import guarded_step
 
@@ -351,3 +350,29 @@ def _refuse_other_inner(inner: Any) -> None:
         hint = ""
     raise TypeError(NOT_AN_OPTIMIZER.format(what=_errors.describe(inner), hint=hint))
 
+
+NOT_A_WRAPPER_STATE = (
+    "{call}: opt_state must be the state that `tx.init(params)` returned for this "
+    "`ls.with_loss_scaling(...)` transformation (a LossScalingState), got {what}. {hint}"
+)
+
+
+def refuse_other_state(opt_state: Any, call: str) -> None:
+    """A ``TypeError`` naming ``opt_state`` and the fix when it is not the wrapper's state
+    (the loss scale itself, a TrainState, params in its place): read as given, a field
+    missing deep inside the step would be all the user saw."""
+    if isinstance(opt_state, LossScalingState):
+        return
+    if isinstance(opt_state, SCALER_TYPES):
+        hint = ("That is the loss scale: pass the optimizer state that holds it "
+                "(`ls.get_loss_scale(opt_state)` reads the scale out of it).")
+    elif held := wrapper_states_in(opt_state):
+        hint = (f"It holds one at {held[0][0]!r}: pass the transformation whose state it "
+                "is as `tx` (e.g. the optax.chain around the wrapper), or that part as "
+                "opt_state. For a TrainState call `state.apply_gradients(grads=grads)`; "
+                "for an nnx Optimizer `optimizer.update(model, grads)`.")
+    else:
+        hint = ("Are the arguments in order? `tx.update(grads, opt_state, params)`, "
+                "`ls.apply_gradients(tx, grads, opt_state, params)`.")
+    raise TypeError(NOT_A_WRAPPER_STATE.format(call=call, what=_errors.describe(opt_state),
+                                               hint=hint))
