@@ -61,14 +61,10 @@ class LossScalingState(NamedTuple):
       underflow: ``None``, or with ``underflow_diagnostics=True`` an
         :class:`UnderflowStats` of this step's gradients.
       grad_norm: float32, the global L2 norm of the last step's *unscaled* gradients
-        (what PyTorch's ``clip_grad_norm_`` returns), from the same read of the gradients
-        as the finite test (the sum of their squares, in float32, times the scale's
-        reciprocal). On a step skipped for its gradients it is inf (NaN entries too):
-        the norm of what arrived. It is inf, too, where the squares of the *scaled*
-        gradients overflow float32 (above ~1.8e19 in total norm). With ``axis_name`` it
-        is the same on every replica: shards of a leaf split over the axes (under
-        ``shard_map``) add their squares; replicated gradients count once. 0 before the
-        first step.
+        (PyTorch's ``clip_grad_norm_`` value), from the same read as the finite test. inf
+        on a step skipped for its gradients, and where the squares of the *scaled*
+        gradients overflow float32 (a total norm above ~1.8e19). With ``axis_name``, the
+        same on every replica (shards of a split leaf add up). 0 before the first step.
       replays: int32, batches recomputed at a backed-off scale in total (saturating): each
         replay is one more forward and backward pass inside the step
         (``max_replays``, docs/replay.md). A replayed step that ends finite is applied.

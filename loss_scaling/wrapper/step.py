@@ -40,16 +40,17 @@ from loss_scaling.wrapper.state import (
 )
 
 
-def _stepped_scaler(scaler: LossScale, finite: jax.Array,
-                    grads_max: jax.Array | None = None) -> LossScale:
+def _stepped_scaler(scaler: LossScale, finite: jax.Array, grads_max: jax.Array | None,
+                    valid: jax.Array) -> LossScale:
     """The scaler's next state, a failure recorded but never raised (eager included).
 
     The wrapper decides afterwards whether that step counts (``nonfinite_loss="skip"``
     discards it on a non-finite loss) and raises an eager failure itself (:func:`_report`).
-    ``grads_max``: the scaled gradients' max |entry|, for ``growth="headroom"``.
+    ``grads_max``: the scaled gradients' max |entry|, for ``growth="headroom"``;
+    ``valid``: the scale's validity, checked once in :func:`decide`.
     """
     if isinstance(scaler, DynamicLossScale):
-        return step_recorded(scaler, finite, grads_max=grads_max)
+        return step_recorded(scaler, finite, grads_max=grads_max, valid=valid)
     return scaler
 
 
@@ -166,12 +167,12 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
         # The forward pass, not the scale, made the loss non-finite: leave the scale be.
         # Eagerly too: a backoff discarded here must not raise (as under jit).
         stepped_scaler = _stepped_scaler(state.scaler, decision.grads_finite,
-                                         decision.grads_max)
+                                         decision.grads_max, decision.valid_scale)
         stepped_scaler = optax.tree.where(decision.loss_finite, stepped_scaler, state.scaler)
     else:
         stepped_scaler = _stepped_scaler(state.scaler,
                                          decision.grads_finite & decision.loss_finite,
-                                         decision.grads_max)
+                                         decision.grads_max, decision.valid_scale)
     if replay.enabled(options, state):
         stepped_scaler = replay.no_growth_after(decision.replays, state.scaler, stepped_scaler)
     consecutive_skips = _count(state.consecutive_skips, applied, reset=True)

@@ -90,84 +90,55 @@ def with_loss_scaling(
     Each update unscales the gradients by the factor that scaled this step's loss, checks
     them, runs ``inner`` only if every unscaled element is finite, and then updates the
     loss scale. A skipped step leaves the inner state bit-identical and returns ``-0.0``
-    updates, so ``optax.apply_updates`` leaves every parameter bit-identical too. It never
-    gives up and applies a non-finite update, however many steps in a row are skipped.
+    updates (``p + -0.0 == p`` bit for bit). It never gives up and applies a non-finite
+    update, however many steps in a row are skipped.
 
-    Failures are fail-closed and cost nothing on healthy steps: a backoff below the normal
-    float32 range (without ``min_scale``), ``max_consecutive_skips`` reached, or a scale
-    that is not a positive normal float32 (an unvalidated restore) is recorded in the
-    state; from then on every step is skipped (params and inner state bit-identical, the
-    scale at its last valid value, the counters counting), and
-    :func:`loss_scaling.check` raises :class:`loss_scaling.LossScaleError` with the full
-    message on the host. Call it where you log. An eager (un-jitted) update raises at once.
+    A failure (a backoff below the normal float32 range without ``min_scale``,
+    ``max_consecutive_skips`` or ``max_nonfinite_losses`` reached, a scale that is not a
+    positive normal float32) is recorded in the state: every later step is skipped, and
+    :func:`loss_scaling.check` raises :class:`loss_scaling.LossScaleError` on the host
+    (call it where you log). An eager (un-jitted) update raises at once.
 
     Args:
-      inner: the optimizer to wrap (any optax transformation; extra arguments given to
-        ``update`` are forwarded to it, except ``loss=``, the wrapper's own: it is checked
-        and not forwarded, since optax's line searches, ``optax.lbfgs`` and
-        ``optax.contrib.sam`` refuse arguments they do not know; give an inner optimizer
-        the loss as ``value=``). ``grad=`` (as ``optax.lbfgs`` takes it) holds gradients
-        of the scaled loss too: it is unscaled and checked like them. Others (``value=``,
-        ``value_fn=``, ...) pass through untouched: give them unscaled.
+      inner: the optimizer to wrap (any optax transformation). Extra arguments of
+        ``update`` are forwarded to it, except ``loss=`` (checked, not forwarded: optax's
+        line searches and ``optax.contrib.sam`` refuse unknown arguments; give the inner
+        optimizer the loss as ``value=``). ``grad=`` (``optax.lbfgs``) holds gradients of
+        the scaled loss: unscaled and checked like them. Others pass through untouched.
       scaler: the initial loss-scale state; ``DynamicLossScale()`` by default.
       axis_name: inside ``pmap`` / ``shard_map``, the axis name (or names) over which the
         finite flags are AND-reduced so that every replica skips together.
-      skip: how a skipped step is implemented: ``"cond"`` (a ``lax.cond`` around the
-        inner update), ``"select"`` (compute, then select), or ``"auto"`` (the one
-        measured faster for the path and backend, see the performance guide).
-      on_failure: ``"record"`` (the default: the failure is state, raised on the host by
-        :func:`loss_scaling.check`) or ``"raise"``: also raise at once, from a host
-        callback compiled into the step (under ``jit``, JAX raises it as a
-        ``jax.errors.JaxRuntimeError`` whose text holds ``LossScaleError: ...``).
-        Debugging only: any executable holding a callback leaves JAX's fast dispatch
-        path (every step pays about 1 ms of host time), and a raise inside a donated step
-        deletes the donated params and state.
-      max_consecutive_skips: optional guard for runs that cannot recover: after this many
-        consecutive skipped steps the run fails (as above) with the count, the scale and
-        the non-finite gradient leaves, instead of skipping forever. ``None`` (the
-        default) adds nothing to the step.
-      nonfinite_loss: what a non-finite ``loss`` passed to ``update(..., loss=loss)`` does.
-        It is not an overflow of the scaled gradients (the forward pass itself produced
-        inf/NaN), so ``"skip"`` skips the step and leaves the loss scale untouched, while
-        ``"backoff"`` (the default) treats it like a gradient overflow. Either way it is
-        counted in ``nonfinite_loss_steps``.
-      underflow_diagnostics: opt in to per-step underflow statistics
-        (:class:`UnderflowStats`, read through :func:`loss_scaling.metrics`): per gradient
-        leaf and overall, the fraction of entries that are exactly zero and the fraction
-        that are nonzero but below float16's smallest normal once unscaled. They tell
-        whether a model needs a larger scale (or none), and which layers underflow. One
-        fused reduction over the gradients; ``False`` (the default) compiles nothing.
-      max_replays: replay (docs/replay.md): with a ``DynamicLossScale``, a batch whose
-        gradients overflow is recomputed at once at the backed-off scale (hysteresis
-        ignored), inside the same compiled step, up to this many times, and applied; it
-        is skipped only when its loss is not finite, the replays are used up, or the
-        scale cannot go lower. The update then needs the loss as a function of the
-        params, ``value_fn=lambda params: loss_fn(params, batch)`` (unscaled), also
-        forwarded to an inner update that takes it (optax's line searches). Counted in
-        ``metrics(...)["replays"]``. An integer in [0, 64]; 0 (the default) is off and
-        compiles nothing. ``StaticLossScale`` and ``NoOpLossScale`` cannot back off:
-        their steps are skipped as without it.
-      max_nonfinite_losses: a forward pass that keeps failing ends the run, named: when
-        the ``loss=`` given to the update is not finite on the
-        ``max_nonfinite_losses``-th skipped step in a row (or a later one), the run fails
-        closed (``Failure.NONFINITE_LOSS``: every later step skipped, and
-        :func:`loss_scaling.check` raises a :class:`loss_scaling.LossScaleError` that
-        names the non-finite loss and points to :func:`loss_scaling.find_overflow`),
-        instead of backing off to the float32 floor (~141 backoffs) or skipping forever.
-        A positive integer, 16 by default (16 backoffs take the default scale from 2**15
-        to 0.5); ``None`` turns it off. Compiled only into steps given a ``loss=``.
+      skip: ``"cond"`` (a ``lax.cond`` around the inner update), ``"select"`` (compute,
+        then select) or ``"auto"`` (the one measured faster for the path and backend).
+      on_failure: ``"record"`` (the default) or ``"raise"``: also raise at once from a
+        host callback compiled into the step. Debugging only: the callback leaves JAX's
+        fast dispatch path (~1 ms a step) and a raise in a donated step deletes its inputs.
+      max_consecutive_skips: after this many consecutive skipped steps the run fails,
+        naming the non-finite gradient leaves. ``None`` (the default) compiles nothing.
+      nonfinite_loss: a non-finite ``loss=``: ``"backoff"`` (the default) treats it as a
+        gradient overflow; ``"skip"`` skips the step and leaves the scale as it is. Either
+        way it is counted in ``nonfinite_loss_steps``.
+      underflow_diagnostics: per-step fractions of zero and of tiny (below float16's
+        smallest normal once unscaled) gradient entries, per leaf and overall
+        (:class:`UnderflowStats`, in :func:`loss_scaling.metrics`). One more read.
+      max_replays: with a ``DynamicLossScale``, an overflowed batch is recomputed at the
+        backed-off scale inside the same step, up to this many times (docs/replay.md);
+        the update then needs ``value_fn=lambda params: loss_fn(params, batch)``
+        (unscaled). An integer in [0, 64]; 0 (the default) compiles nothing.
+      max_nonfinite_losses: the run fails (``Failure.NONFINITE_LOSS``) when the ``loss=``
+        is not finite on this many skipped steps in a row: the forward pass keeps
+        failing, which no scale fixes. 16 by default; ``None`` turns it off. Compiled only
+        into steps given a ``loss=``.
 
     Returns:
       A :class:`LossScalingTransformation` (an ``optax.GradientTransformationExtraArgs``).
 
     Raises:
-      ValueError: for an unknown ``skip``, ``on_failure`` or ``nonfinite_loss``, a
-        ``max_consecutive_skips`` or ``max_nonfinite_losses`` that is not a positive
-        integer, a ``max_replays`` outside [0, 64], or an ``underflow_diagnostics`` that
-        is not a bool; from ``update``, with replay on and no ``value_fn=``.
+      ValueError: for an invalid option; from ``update``, with replay on and no
+        ``value_fn=``.
       TypeError: if ``inner`` is not an optax transformation or ``scaler`` not a
-        loss-scale state; from ``init``, if a params leaf
-        has a dtype without a zero (``float8_e8m0fnu``), which no skipped step can keep.
+        loss-scale state; from ``init``, for a params dtype without a zero
+        (``float8_e8m0fnu``), which no skipped step can keep.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
