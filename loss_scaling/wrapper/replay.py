@@ -1,7 +1,7 @@
 """Replay: a batch whose gradients overflow is recomputed at the backed-off scale inside
 the same compiled step, up to ``max_replays`` times, instead of being dropped.
 
-:func:`replay` runs right after the first :func:`~loss_scaling.wrapper.step.decide`:
+:func:`replay` runs right after the first :func:`~loss_scaling.wrapper.transform.decide`:
 
     while the gradients are not finite, the loss is finite, the state is healthy,
           replays < max_replays, and a backoff lowers the scale without failing:
@@ -133,7 +133,7 @@ def replay(options: WrapperOptions, state: LossScalingState, params: Any,
            decide: Callable[..., Any]) -> tuple[Any, Any, dict[str, Any]]:
     """The loop in the module docstring: ``(final decision, its scaler, extra_args)``.
 
-    ``decide`` is :func:`~loss_scaling.wrapper.step.decide` (passed in: the step module
+    ``decide`` is :func:`~loss_scaling.wrapper.transform.decide` (passed in: the transform module
     imports this one). A ``grad=`` extra argument (``optax.lbfgs``'s) is the gradients of
     ``value_fn``: each replay replaces it by its own, as it replaces ``loss=``.
     """
