@@ -298,7 +298,7 @@ def unwrap(x: Any) -> Any:
 # Fields that every wrapper state has leaves for, which identify its mapping in an
 # nnx.State (an empty inner state, a NoOp scaler or disabled underflow statistics have
 # none, so nnx.state drops those keys).
-_ALWAYS_PRESENT = frozenset({"skipped_steps", "consecutive_skips", "last_step_finite",
+_ALWAYS_PRESENT = frozenset({"skipped_steps", "consecutive_skips", "last_step_applied",
                              "nonfinite_loss_steps", "nonfinite_grads"})
 def _from_nnx_state(node: Any) -> Any:
     """Nested mappings with every wrapper state's mapping rebuilt as a LossScalingState.
