@@ -285,11 +285,13 @@ and ``isinstance(s, ls.LossScale)``; :func:`loss_scale_for` picks one for a comp
 
 
 SCALER_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+"""The three kinds, for ``isinstance`` checks."""
+
 
 def require_scaler(argument: str, value: Any) -> None:
+    """A ``TypeError`` naming ``argument`` unless ``value`` is a loss-scale state."""
     if not isinstance(value, SCALER_TYPES):
         raise not_a_scaler(argument, value)
-"""The three kinds, for ``isinstance`` checks."""
 
 
 def loss_scale_for(compute_dtype: Any, **dynamic_options: Any) -> LossScale:

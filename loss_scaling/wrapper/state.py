@@ -22,6 +22,9 @@ NonFiniteLoss = Literal["backoff", "skip"]
 GRADIENT_EXTRA_ARGS = ("grad",)
 """Extra arguments of ``update`` that hold gradients of the scaled loss: unscaled and checked."""
 CONSUMED_EXTRA_ARGS = ("loss",)
+"""Extra arguments of ``update`` that are the wrapper's own (checked) and not forwarded:
+optax's line searches (``lbfgs``) and ``optax.contrib.sam`` refuse arguments they do not
+know. An inner optimizer that wants the loss takes it as ``value=``, optax's name."""
 REPLAY_EXTRA_ARG = "value_fn"
 """The loss function (of the params, unscaled) that a replay differentiates again; also
 forwarded to an inner optimizer whose ``update`` takes it (optax's line searches)."""
@@ -29,9 +32,6 @@ MAX_NONFINITE_LOSSES = 16
 """The default ``max_nonfinite_losses`` (16 backoffs take the default scale to 0.5)."""
 MAX_REPLAYS = 64
 """The largest ``max_replays``: 64 backoffs by 0.5 take any float32 scale below 2**-40."""
-"""Extra arguments of ``update`` that are the wrapper's own (checked) and not forwarded:
-optax's line searches (``lbfgs``) and ``optax.contrib.sam`` refuse arguments they do not
-know. An inner optimizer that wants the loss takes it as ``value=``, optax's name."""
 
 
 class LossScalingState(NamedTuple):
