@@ -61,29 +61,21 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       path: as for :func:`get_loss_scale`.
 
     Returns:
-      ``loss_scale``; ``growth_tracker`` (0 for non-dynamic scales); ``skipped_steps``,
-      ``consecutive_skips`` and ``last_step_applied``; ``nonfinite_loss_steps`` (skips
-      caused by a non-finite ``loss=``); ``nonfinite_grad_leaves``, the number of
-      gradient leaves that were non-finite on the most recent skipped step; ``failed``
-      (bool) and ``failure`` (the int32 :class:`loss_scaling.Failure` code): whether the
-      run has failed, and why (:func:`check` raises it on the host); ``clean_growths``
-      (growths of the scale since the last overflow) and ``scale_suspicious``
-      (``clean_growths >= SUSPICIOUS_GROWTHS``, 20: the scale grew a millionfold without one
-      overflow, or grew past ``2**64`` without one; either points at a loss that was not
-      scaled, or a model that needs no scaling); ``grad_norm`` (float32: the global norm
-      of the last step's unscaled gradients, inf on a step skipped for them, see
-      :class:`loss_scaling.LossScalingState`); ``replays`` (batches recomputed at a
-      backed-off scale in total, with ``max_replays``; docs/replay.md) and
-      ``last_step_replays`` (those of the last step).
-      With ``growth="headroom"``:
-      ``grad_max_window`` (the largest unscaled max ``|g|`` of the recent clean steps, the
-      window the rule reads), ``headroom_log2`` (``log2(finfo(headroom_dtype).max /
-      (loss_scale * grad_max_window))``: how many doublings the scale leaves before that
-      maximum would overflow, at least ``log2(headroom_margin)`` right after a headroom
-      growth; inf while the window is empty) and ``scale_ceiling`` (the scaler's
-      ``ceiling``). With ``underflow_diagnostics=True``:
-      ``zero_grad_fraction`` and ``small_grad_fraction`` (overall, weighted by leaf size)
-      and their ``..._per_leaf`` vectors (see :class:`loss_scaling.UnderflowStats`).
+      ``loss_scale``, ``growth_tracker`` (0 unless dynamic); the counters
+      ``skipped_steps``, ``consecutive_skips``, ``nonfinite_loss_steps`` (skips caused by
+      a non-finite ``loss=``), ``replays`` and ``last_step_replays`` (``max_replays``);
+      ``last_step_applied`` (``last_step_finite``, its old name, too);
+      ``nonfinite_grad_leaves`` (leaves non-finite on the last skipped step); ``failed``
+      and ``failure`` (the :class:`loss_scaling.Failure` code :func:`check` raises);
+      ``clean_growths`` and ``scale_suspicious`` (20 growths without an overflow, or a
+      scale past ``2**64`` without one: a loss that was not scaled, or a model that needs
+      no scaling); ``grad_norm`` (of the unscaled gradients, see
+      :class:`loss_scaling.LossScalingState`). With ``growth="headroom"``:
+      ``grad_max_window`` (the largest unscaled max ``|g|`` in the rule's window),
+      ``headroom_log2`` (``log2(finfo(headroom_dtype).max / (loss_scale *
+      grad_max_window))``, inf while the window is empty) and ``scale_ceiling``. With
+      ``underflow_diagnostics=True``: ``zero_grad_fraction``, ``small_grad_fraction``
+      and their ``..._per_leaf`` vectors (:class:`loss_scaling.UnderflowStats`).
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -307,13 +299,10 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
       TypeError: when called inside ``jit`` (it reads the state on the host).
 
     Warns:
-      LossScaleWarning: if the scale grew :data:`SUSPICIOUS_GROWTHS` (20) times in a row
-        without a single overflow, or past ``2**64`` without one: a millionfold growth
-        with gradients that never come near float16's range points at a loss that was
-        not scaled (use ``ls.scale`` / ``ls.value_and_grad``), or at a model that needs
-        no loss scaling. Under ``jit`` the update already warns while it is traced
-        (:mod:`loss_scaling.wrapper.provenance`); this is the fallback for what tracing
-        cannot see.
+      LossScaleWarning: if the scale grew :data:`SUSPICIOUS_GROWTHS` (20) times in a row,
+        or past ``2**64``, without an overflow: a loss that was not scaled, or a model
+        that needs no scaling (the fallback for what the trace-time check of
+        :mod:`loss_scaling.wrapper.provenance` cannot see).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
