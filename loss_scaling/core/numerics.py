@@ -204,7 +204,7 @@ def _and_over_axes(flags: jax.Array, axis_name: AxisName) -> jax.Array:
     return lax.pmin(flags.astype(jnp.int32), axis_name) == 1
 
 
-def _bounded_sum(y: jax.Array, rows: bool = False) -> jax.Array:
+def _bounded_sum(y: jax.Array) -> jax.Array:
     """``sum(|y| * 2**-k)``, with ``2**k >= 2 * (entries)``: finite iff every entry is.
 
     An inf or NaN entry makes the sum inf or NaN, also across devices (a cross-device
@@ -212,16 +212,13 @@ def _bounded_sum(y: jax.Array, rows: bool = False) -> jax.Array:
     finite entries can never add up to an overflow. A sum of magnitudes is also the
     reduction XLA on CPU fuses with its elementwise producers (the unscale) into one
     read, where a boolean ``all(isfinite(...))`` materializes a mask the size of the leaf.
-    ``rows=True``: one such sum per entry of the first axis (leaves stacked).
     """
     parts = [jnp.real(y), jnp.imag(y)] if jnp.issubdtype(y.dtype, jnp.complexfloating) else [y]
     compute = compute_dtype(y.dtype)
-    entries = len(parts) * (int(np.prod(y.shape[1:])) if rows else y.size)
-    k = max(1, int(np.ceil(np.log2(2 * max(1, entries)))))
+    k = max(1, int(np.ceil(np.log2(2 * max(1, len(parts) * y.size)))))
     shrink = jnp.asarray(2.0**-k, compute)
-    axes = tuple(range(1, y.ndim)) if rows else None
-    return sum((jnp.sum(jnp.abs(p.astype(compute)) * shrink, axis=axes, dtype=compute)
-                for p in parts), jnp.zeros((), compute))
+    return sum((jnp.sum(jnp.abs(p.astype(compute)) * shrink, dtype=compute) for p in parts),
+               jnp.zeros((), compute))
 
 
 def unscaled_bounded_sum(x: Any, inverse: Reciprocal | None) -> jax.Array:
@@ -561,28 +558,25 @@ def _exact_flags(leaves: list[Any], groups: list[LeafGroup], vectors: list[jax.A
     the exact test per leaf (in leaf order, agreed over ``axis_name``) and their AND.
 
     One computation kept small, because XLA compiles every kernel of it on each compile,
-    taken or not: large leaves of one shape and dtype are stacked and tested by one
-    reduction (one per leaf cost a kernel each), and a joined group's vector, the one
-    the screen read, is tested by one segment reduction (concatenated again here it cost
-    a copy kernel per small leaf: 2,293 -> 2,217 kernels for the GPT below, with the
-    stacking). It rereads every group,
+    taken or not: a large leaf is one fused reduction (:func:`unscaled_bounded_sum`;
+    stacking leaves of one shape into one reduction saved a kernel each, but its copy is
+    temp memory the size of those leaves on every step), their sums take one
+    ``isfinite``, and a joined group's vector, the one the screen read, is tested by one
+    segment reduction (concatenated again here it cost a copy kernel per small leaf:
+    2,293 -> 2,245 kernels for the GPT below). It rereads every group,
     cleared or not, on steps that are skipped anyway: a conditional per large leaf, to
     reread only what overflowed, cost four kernels and a conditional a leaf to compile
     (a 12-layer GPT's train step: 2,395 -> 2,293 kernels, 28 -> 2 conditionals,
     ``benchmarks/train_step_compile.py --counts``). The flags are put in leaf order by
     one static permutation.
     """
-    alike: dict[Any, list[LeafGroup]] = {}  # large leaves of one shape and dtype
+    sums: dict[Any, list[tuple[LeafGroup, jax.Array]]] = {}
     for group in groups:
-        if not group.joined:
-            x = leaves[group.indices[0]]
-            alike.setdefault((np.shape(x), jnp.result_type(x)), []).append(group)
-    large = [group for members in alike.values() for group in members]
-    parts = []
-    for members in alike.values():
-        stacked = jnp.stack([jnp.asarray(leaves[g.indices[0]]) for g in members])
-        unscaled = stacked if inverse is None else unscale_leaf(stacked, inverse)
-        parts.append(jnp.isfinite(_bounded_sum(unscaled, rows=True)))
+        if not group.joined:  # one stack per compute dtype: a cast could overflow
+            x = unscaled_bounded_sum(leaves[group.indices[0]], inverse)
+            sums.setdefault(x.dtype, []).append((group, x))
+    large = [group for pairs in sums.values() for group, _ in pairs]
+    parts = [jnp.isfinite(jnp.stack([x for _, x in pairs])) for pairs in sums.values()]
     joined = [group for group in groups if group.joined]
     for group, vector in zip(groups, vectors, strict=True):
         if group.joined:
