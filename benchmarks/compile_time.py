@@ -82,27 +82,27 @@ def variants(inner: optax.GradientTransformation, floors: bool = False,
 def without(exact_branch: bool, bookkeeping: bool) -> Step:
     """The plain step with the exact re-check branch and/or the state bookkeeping taken
     out while it is traced: an ablation, not a correct step."""
-    from loss_scaling.wrapper import screen
-    from loss_scaling.wrapper import step as step_module
+    from loss_scaling.core import numerics
+    from loss_scaling.wrapper import transform
 
     tx = ls.with_loss_scaling(optax.adam(1e-3))
 
-    def no_exact_branch(leaves, groups, inverse, axis_name):
+    def no_exact_branch(leaves, groups, vectors, inverse, axis_name):
         return jnp.zeros((len(leaves),), jnp.bool_), jnp.asarray(False)
 
     def no_bookkeeping(options, state, inner_state, decision):
-        return state._replace(inner_state=inner_state, last_step_finite=decision.apply)
+        return state._replace(inner_state=inner_state, last_step_applied=decision.apply)
 
     def step(params, opt_state, grads):
-        saved = screen._exact_flags, step_module._next_state
+        saved = numerics._exact_flags, transform._next_state
         if exact_branch:
-            screen._exact_flags = no_exact_branch
+            numerics._exact_flags = no_exact_branch
         if bookkeeping:
-            step_module._next_state = no_bookkeeping
+            transform._next_state = no_bookkeeping
         try:
             updates, opt_state = tx.update(grads, opt_state, params)
         finally:
-            screen._exact_flags, step_module._next_state = saved
+            numerics._exact_flags, transform._next_state = saved
         return optax.apply_updates(params, updates), opt_state
 
     return step

@@ -10,6 +10,8 @@ XLA temp buffer bytes of its compiled step.
     python benchmarks/overhead.py                 # 20M params, the README's CPU table
     python benchmarks/overhead.py --params 4e3 --steps 50   # dispatch-bound: a tiny model
     python benchmarks/overhead.py --params 2e8    # a size that loads a GPU
+    python benchmarks/overhead.py --flat          # every leaf 1-D (flattened embeddings,
+                                                  # biases): mixed sizes, no matrix
 
 Each variant is timed two ways: one step per ``block_until_ready`` (a loop that logs every
 step) and pipelined (``--steps`` steps, then one block).
@@ -43,8 +45,10 @@ def is_donated(variant: str) -> bool:
     return "not donated" not in variant
 
 
-def make_params(total: float, leaves: int, seed: int = 0) -> dict[str, jax.Array]:
-    """``leaves`` float32 arrays (matrices and vectors, as in an MLP) with ``total`` entries."""
+def make_params(total: float, leaves: int, seed: int = 0,
+                flat: bool = False) -> dict[str, jax.Array]:
+    """``leaves`` float32 arrays (matrices and vectors, as in an MLP) with ``total`` entries;
+    ``flat``: every one 1-D (a model whose embeddings and kernels are stored flattened)."""
     rng = np.random.default_rng(seed)
     weights = rng.uniform(0.5, 1.5, leaves)
     weights[1::2] *= 0.05  # every other leaf is bias/norm-sized
@@ -52,7 +56,7 @@ def make_params(total: float, leaves: int, seed: int = 0) -> dict[str, jax.Array
     params = {}
     for i, size in enumerate(sizes):
         width = min(1000, int(size))
-        shape = (int(size),) if i % 2 else (int(size) // width, width)
+        shape = (int(size),) if i % 2 or flat else (int(size) // width, width)
         params[f"leaf_{i:02d}"] = jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02)
     return params
 
@@ -186,12 +190,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--leaves", type=int, default=40, help="number of parameter arrays")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
     parser.add_argument("--steps", type=int, default=4, help="steps per variant per round")
+    parser.add_argument("--flat", action="store_true",
+                        help="every leaf 1-D (the second harness of docs/performance.md)")
     parser.add_argument("--quick", action="store_true",
                         help="only the default rows and their anchors (for GPU leases)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
 
-    params0 = make_params(args.params, args.leaves)
+    params0 = make_params(args.params, args.leaves, flat=args.flat)
     n_params = sum(x.size for x in jax.tree.leaves(params0))
     true_grads = jax.tree.map(lambda p: p * 1e-3, params0)
     scaled_grads = jax.tree.map(lambda g: g * SCALE, true_grads)
@@ -248,7 +254,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     base = {m: statistics.median(times[m]["bare optax.adam"]) for m in modes}
     print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} "
-          f"params={n_params / 1e6:.3f}M leaves={len(params0)} rounds={args.rounds} "
+          f"params={n_params / 1e6:.3f}M leaves={len(params0)}{' (all 1-D)' * args.flat} "
+          f"rounds={args.rounds} "
           f"steps/round={args.steps}")
     print(f"bare optax.adam median step: {base['sync'] * 1e3:.3f} ms (block every step), "
           f"{base['pipelined'] * 1e3:.3f} ms (pipelined)")

@@ -11,7 +11,6 @@ from loss_scaling import _registry
 from loss_scaling._errors import NoLossScaleFound
 from loss_scaling.core.scalers import SCALER_TYPES, DynamicLossScale, LossScale
 from loss_scaling.wrapper import placement
-from loss_scaling.wrapper import state as wrapper_state
 from loss_scaling.wrapper.state import LossScalingState
 
 _NO_CONFIG = (
@@ -47,7 +46,7 @@ def _not_a_state(x: Any) -> str | None:
     return None
 
 
-def unwrap(x: Any) -> Any:
+def unwrap_frameworks(x: Any) -> Any:
     """``x`` with the containers of imported frameworks (an ``nnx.Optimizer``, an
     ``nnx.State``, ``nnx.Variable``) replaced by the optax states they hold: the
     integrations' hooks (:mod:`loss_scaling._registry`); a pure-optax state passes through."""
@@ -61,12 +60,12 @@ def refuse_misplaced_wrapper(opt_state: Any) -> None:
     """Raises ``ValueError`` if a wrapper state is not the outermost transformation (inside
     ``optax.MultiSteps``, after a clip in ``optax.chain``, ...) of any state
     :func:`get_loss_scale` accepts (:mod:`loss_scaling.wrapper.placement`)."""
-    placement.refuse_misplaced_wrapper(unwrap(opt_state))
+    placement.refuse_not_outermost(unwrap_frameworks(opt_state))
 
 
 def all_wrapper_states(opt_state: Any) -> list[tuple[str, LossScalingState]]:
     """Every wrapper state with its key path (of any state :func:`get_loss_scale` accepts)."""
-    return wrapper_state.wrapper_states_in(unwrap(opt_state))
+    return placement.wrapper_states_in(unwrap_frameworks(opt_state))
 
 
 def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:

@@ -13,19 +13,19 @@ import numpy as np
 import optax
 
 from loss_scaling import _errors
-from loss_scaling.core import update as scalers
 from loss_scaling.core.scalers import (
     SCALER_TYPES,
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
 )
+from loss_scaling.core.update import scaler_failure_message
 from loss_scaling.lookup import _NO_CONFIG, _get_wrapper_state, refuse_misplaced_wrapper
 from loss_scaling.wrapper.state import (
     SUSPICIOUS_GROWTHS,
     UnderflowStats,
-    failure_message,
-    leaf_names,
+    key_path_names,
+    wrapper_failure_message,
 )
 
 __all__ = ["check", "metrics", "nonfinite_grad_paths"]
@@ -61,29 +61,21 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       path: as for :func:`get_loss_scale`.
 
     Returns:
-      ``loss_scale``; ``growth_tracker`` (0 for non-dynamic scales); ``skipped_steps``,
-      ``consecutive_skips`` and ``last_step_finite``; ``nonfinite_loss_steps`` (skips
-      caused by a non-finite ``loss=``); ``nonfinite_grad_leaves``, the number of
-      gradient leaves that were non-finite on the most recent skipped step; ``failed``
-      (bool) and ``failure`` (the int32 :class:`loss_scaling.Failure` code): whether the
-      run has failed, and why (:func:`check` raises it on the host); ``clean_growths``
-      (growths of the scale since the last overflow) and ``scale_suspicious``
-      (``clean_growths >= SUSPICIOUS_GROWTHS``, 20: the scale grew a millionfold without one
-      overflow, or grew past ``2**64`` without one; either points at a loss that was not
-      scaled, or a model that needs no scaling); ``grad_norm`` (float32: the global norm
-      of the last step's unscaled gradients, inf on a step skipped for them, see
-      :class:`loss_scaling.LossScalingState`); ``replays`` (batches recomputed at a
-      backed-off scale in total, with ``max_replays``; docs/replay.md) and
-      ``last_step_replays`` (those of the last step).
-      With ``growth="headroom"``:
-      ``grad_max_window`` (the largest unscaled max ``|g|`` of the recent clean steps, the
-      window the rule reads), ``headroom_log2`` (``log2(finfo(headroom_dtype).max /
-      (loss_scale * grad_max_window))``: how many doublings the scale leaves before that
-      maximum would overflow, at least ``log2(headroom_margin)`` right after a headroom
-      growth; inf while the window is empty) and ``scale_ceiling`` (the scaler's
-      ``ceiling``). With ``underflow_diagnostics=True``:
-      ``zero_grad_fraction`` and ``small_grad_fraction`` (overall, weighted by leaf size)
-      and their ``..._per_leaf`` vectors (see :class:`loss_scaling.UnderflowStats`).
+      ``loss_scale``, ``growth_tracker`` (0 unless dynamic); the counters
+      ``skipped_steps``, ``consecutive_skips``, ``nonfinite_loss_steps`` (skips caused by
+      a non-finite ``loss=``), ``replays`` and ``last_step_replays`` (``max_replays``);
+      ``last_step_applied`` (``last_step_finite``, its old name, too);
+      ``nonfinite_grad_leaves`` (leaves non-finite on the last skipped step); ``failed``
+      and ``failure`` (the :class:`loss_scaling.Failure` code :func:`check` raises);
+      ``clean_growths`` and ``scale_suspicious`` (20 growths without an overflow, or a
+      scale past ``2**64`` without one: a loss that was not scaled, or a model that needs
+      no scaling); ``grad_norm`` (of the unscaled gradients, see
+      :class:`loss_scaling.LossScalingState`). With ``growth="headroom"``:
+      ``grad_max_window`` (the largest unscaled max ``|g|`` in the rule's window),
+      ``headroom_log2`` (``log2(finfo(headroom_dtype).max / (loss_scale *
+      grad_max_window))``, inf while the window is empty) and ``scale_ceiling``. With
+      ``underflow_diagnostics=True``: ``zero_grad_fraction``, ``small_grad_fraction``
+      and their ``..._per_leaf`` vectors (:class:`loss_scaling.UnderflowStats`).
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -91,9 +83,10 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       >>> opt_state = ls.with_loss_scaling(optax.sgd(1.0)).init(jnp.zeros(2))
       >>> {k: v.item() for k, v in ls.metrics(opt_state).items()}  # doctest: +NORMALIZE_WHITESPACE
       {'loss_scale': 32768.0, 'growth_tracker': 0, 'skipped_steps': 0,
-       'consecutive_skips': 0, 'last_step_finite': True, 'nonfinite_loss_steps': 0,
-       'nonfinite_grad_leaves': 0, 'failed': False, 'failure': 0, 'clean_growths': 0,
-       'scale_suspicious': False, 'grad_norm': 0.0, 'replays': 0, 'last_step_replays': 0}
+       'consecutive_skips': 0, 'last_step_applied': True, 'last_step_finite': True,
+       'nonfinite_loss_steps': 0, 'nonfinite_grad_leaves': 0, 'failed': False,
+       'failure': 0, 'clean_growths': 0, 'scale_suspicious': False, 'grad_norm': 0.0,
+       'replays': 0, 'last_step_replays': 0}
     """
     if isinstance(opt_state, SCALER_TYPES):
         raise TypeError(METRICS_OF_A_SCALER.format(what=type(opt_state).__name__))
@@ -106,7 +99,8 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
         "growth_tracker": jnp.zeros((), jnp.int32) if tracker is None else tracker,
         "skipped_steps": state.skipped_steps,
         "consecutive_skips": state.consecutive_skips,
-        "last_step_finite": state.last_step_finite,
+        "last_step_applied": state.last_step_applied,
+        "last_step_finite": state.last_step_applied,  # the old key, kept while callers move
         "nonfinite_loss_steps": state.nonfinite_loss_steps,
         "nonfinite_grad_leaves": jnp.sum(state.nonfinite_grads, axis=-1, dtype=jnp.int32),
         "failed": state.failure != _errors.Failure.NONE,
@@ -214,7 +208,7 @@ def gradient_leaf_names(params: Any) -> list[str]:
     """The names of the gradient leaves that ``params`` receives, one per non-finite flag.
 
     The one naming of gradient leaves (:func:`nonfinite_grad_paths` and the messages of
-    :func:`check` use it): :func:`~loss_scaling.wrapper.state.leaf_names` (key paths written by
+    :func:`check` use it): :func:`~loss_scaling.wrapper.state.key_path_names` (key paths written by
     ``jax.tree_util.keystr(path, simple=True, separator=".")``) of the differentiated part
     of ``params``. The gradients mirror the params, except around wrappers whose params
     carry more than is differentiated: ``optax.lookahead`` takes
@@ -222,7 +216,7 @@ def gradient_leaf_names(params: Any) -> list[str]:
     """
     if isinstance(params, optax.LookaheadParams):
         params = params.fast
-    return leaf_names(params)
+    return key_path_names(params)
 
 
 def _host(x: Any) -> np.ndarray:
@@ -305,13 +299,10 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
       TypeError: when called inside ``jit`` (it reads the state on the host).
 
     Warns:
-      LossScaleWarning: if the scale grew :data:`SUSPICIOUS_GROWTHS` (20) times in a row
-        without a single overflow, or past ``2**64`` without one: a millionfold growth
-        with gradients that never come near float16's range points at a loss that was
-        not scaled (use ``ls.scale`` / ``ls.value_and_grad``), or at a model that needs
-        no loss scaling. Under ``jit`` the update already warns while it is traced
-        (:mod:`loss_scaling.wrapper.provenance`); this is the fallback for what tracing
-        cannot see.
+      LossScaleWarning: if the scale grew :data:`SUSPICIOUS_GROWTHS` (20) times in a row,
+        or past ``2**64``, without an overflow: a loss that was not scaled, or a model
+        that needs no scaling (the fallback for what the trace-time check of
+        :mod:`loss_scaling.wrapper.provenance` cannot see).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -340,7 +331,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
             if isinstance(failed, DynamicLossScale):
                 code = failure.reshape(-1)[int(np.argmax(failure.reshape(-1) != 0))]
                 failed = failed._replace(failure=np.asarray(code, np.int32))
-            raise _errors.LossScaleError(scalers.failure_message(failed))
+            raise _errors.LossScaleError(scaler_failure_message(failed))
         return
     refuse_misplaced_wrapper(state)
     wrapper = _get_wrapper_state(state, path)
@@ -363,7 +354,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
                 f"the run has failed ({code.name}, loss scale "
                 f"{float(np.asarray(scaler.loss_scale))!r}). {_NO_CONFIG} For the full "
                 "message, call check on the optimizer.")
-        raise _errors.LossScaleError(failure_message(failed, names))
+        raise _errors.LossScaleError(wrapper_failure_message(failed, names))
     if scale is not None and np.any(scale_suspicious(growths, scale)):
         now = float(_host(jnp.asarray(wrapper.scaler.loss_scale)).reshape(-1)[0])
         warnings.warn(_errors.SUSPICIOUS_SCALE.format(growths=int(np.max(growths)),

@@ -23,8 +23,8 @@ import pytest
 from bitwise import assert_bit_identical, bits
 
 import loss_scaling as ls
+from loss_scaling.core import numerics as ls_numerics
 from loss_scaling.core import update as ls_update
-from loss_scaling.wrapper import step as ls_step
 
 pytestmark = pytest.mark.filterwarnings(  # float16 params on purpose: test_diagnostics.py
     r"ignore:with_loss_scaling. the params .* are b?float16:UserWarning")
@@ -109,7 +109,7 @@ def test_per_leaf_flags_name_exactly_the_bad_leaves(maybe_jit, path):
     # A clean step is applied and keeps the flags of the last skipped step.
     before = bits(params)
     params, opt_state = step(grads_with({}), opt_state, params)
-    assert bool(opt_state.last_step_finite)
+    assert bool(opt_state.last_step_applied)
     np.testing.assert_array_equal(params["dec"]["b"], jnp.zeros(2))  # 1 - 0.5 * 8 / 4
     assert bits(params)[0].tobytes() != before[0].tobytes()
     assert ls.nonfinite_grad_paths(opt_state, params) == ["enc.b", "head.1"]
@@ -181,9 +181,9 @@ def test_empty_params_tree(maybe_jit, path):
     assert opt_state.nonfinite_grads.shape == (0,)
     step = maybe_jit(make_step(tx, path))
     params, opt_state = step({}, opt_state, params)
-    assert bool(opt_state.last_step_finite)
+    assert bool(opt_state.last_step_applied)
     params, opt_state = step({}, opt_state, params, loss=jnp.float32(NAN))  # still skipped
-    assert not bool(opt_state.last_step_finite)
+    assert not bool(opt_state.last_step_applied)
     m = ls.metrics(opt_state)
     assert (int(m["nonfinite_grad_leaves"]), int(m["nonfinite_loss_steps"])) == (0, 1)
     assert ls.nonfinite_grad_paths(opt_state, params) == []
@@ -307,7 +307,7 @@ def test_nonfinite_loss_skips_and_is_counted(maybe_jit, path, mode, bad_grads):
     assert_bit_identical(before, (params, opt_state.inner_state))
     m = ls.metrics(opt_state)
     assert (int(m["nonfinite_loss_steps"]), int(m["skipped_steps"])) == (1, 1)
-    assert not bool(m["last_step_finite"])
+    assert not bool(m["last_step_applied"])
     scaler = ls.get_loss_scale(opt_state)
     if mode == "skip":  # not an overflow: scale and trackers untouched
         assert (float(scaler.loss_scale), int(scaler.growth_tracker)) == (1024.0, 1)
@@ -371,7 +371,7 @@ def test_docs_diagnostics_snippet():
     assert ns["flags"].tolist() == [False, True, False]
     assert isinstance(ns["count"], jax.Array) and int(ns["count"]) == 1
     assert ns["names"] == ["dec.w"]
-    assert not bool(ls.metrics(ns["opt_state"])["last_step_finite"])
+    assert not bool(ls.metrics(ns["opt_state"])["last_step_applied"])
 
 
 def test_docs_guard_snippet():
@@ -399,7 +399,7 @@ def test_docs_gan_snippet_backs_off_only_the_overflowing_scaler():
     ns = run_snippet("gan")
     train_step, params, opt_state = ns["train_step"], ns["params"], ns["opt_state"]
     z, real = ns["z"], ns["real"]
-    assert all(bool(m["last_step_finite"]) for m in ns["metrics"].values())
+    assert all(bool(m["last_step_applied"]) for m in ns["metrics"].values())
     for _ in range(2):
         params, opt_state, metrics = train_step(params, opt_state, z, real)
 
@@ -408,8 +408,8 @@ def test_docs_gan_snippet_backs_off_only_the_overflowing_scaler():
     gen_before, disc_before = bits(params["gen"]), bits(params["disc"])
     outliers = jnp.full((8, 4), -1e4)
     params, opt_state, metrics = train_step(params, opt_state, z, outliers)
-    assert not bool(metrics["disc"]["last_step_finite"])
-    assert bool(metrics["gen"]["last_step_finite"])
+    assert not bool(metrics["disc"]["last_step_applied"])
+    assert bool(metrics["gen"]["last_step_applied"])
     assert float(metrics["disc"]["loss_scale"]) == 2.0**14
     assert float(metrics["gen"]["loss_scale"]) == 2.0**15
     assert_bit_identical(disc_before, params["disc"])
@@ -421,9 +421,9 @@ def test_docs_gan_snippet_backs_off_only_the_overflowing_scaler():
     # Each scaler backs off on its own until its loss fits; the other keeps its scale.
     for _ in range(30):
         params, opt_state, metrics = train_step(params, opt_state, z, outliers)
-        if bool(metrics["disc"]["last_step_finite"]):
+        if bool(metrics["disc"]["last_step_applied"]):
             break
-    assert bool(metrics["disc"]["last_step_finite"])
+    assert bool(metrics["disc"]["last_step_applied"])
     assert float(metrics["disc"]["loss_scale"]) < 2.0**14
     assert float(metrics["gen"]["loss_scale"]) == 2.0**15
     assert int(metrics["gen"]["skipped_steps"]) == 0
@@ -530,7 +530,7 @@ def test_noop_scale_unscale_and_update_add_no_ops_to_the_wrapper_step(monkeypatc
     noop_jaxpr = jaxpr_of(step_with(noop, True), noop)
     static_muls = jaxpr_of(step_with(static, True), static).count(" mul ")
 
-    monkeypatch.setattr(ls_step, "_unscale", lambda grads, inverse: grads)
+    monkeypatch.setattr(ls_numerics, "unscale_tree", lambda grads, inverse: grads)
     monkeypatch.setattr(ls_update, "update", lambda state, finite, **_: state)
     jax.clear_caches()
     without = {"noop": compiled_ops(step_with(noop, True), noop),
@@ -565,6 +565,6 @@ def test_noop_wrapper_still_skips_nonfinite_steps(maybe_jit, path):
     assert_bit_identical(before, (params, opt_state.inner_state))
     assert ls.nonfinite_grad_paths(opt_state, params) == ["head.1"]
     params, opt_state = step(grads_with({}), opt_state, params)
-    assert bool(opt_state.last_step_finite)
+    assert bool(opt_state.last_step_applied)
     assert int(ls.metrics(opt_state)["skipped_steps"]) == 1
     assert isinstance(ls.get_loss_scale(opt_state), ls.NoOpLossScale)

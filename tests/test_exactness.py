@@ -195,7 +195,7 @@ def test_the_reciprocal_is_rounded_once_for_every_scale_above_2_126():
         np.nextafter(np.float32(2.0**126), np.float32(np.inf), dtype=np.float32)[None],
         np.asarray([2.0**126, 2.0**127, F32.max], np.float32)])
     inverse = jax.jit(jax.vmap(ls_tree.reciprocal))(jnp.asarray(scales_))
-    value = np.asarray(inverse.normal, np.float64) * np.asarray(inverse.post, np.float64)
+    value = np.asarray(inverse.lifted, np.float64) * np.asarray(inverse.unlift, np.float64)
     want = np.asarray([reciprocal32(s) for s in scales_])
     np.testing.assert_array_equal(value, want)
 
@@ -226,7 +226,7 @@ def test_the_wrapper_decides_exactly_as_all_finite_of_unscale(tree, scale):
     opt_state = tx.init(grads)
     for step in (plain(tx), jax.jit(plain(tx))):
         updates, new_state = step(grads, opt_state, grads)
-        assert bool(new_state.last_step_finite) == want, (tree, scale)
+        assert bool(new_state.last_step_applied) == want, (tree, scale)
         expected = ls.unscale(s, grads) if want else jax.tree.map(
             lambda g: jnp.full_like(g, -0.0), grads)
         assert_bit_identical(bits(expected), updates)
@@ -258,7 +258,7 @@ def test_grouped_small_leaves_are_flagged_leaf_by_leaf(tree, scale):
         fused = functools.partial(ls.apply_gradients, tx)
         for step in (jax.jit(plain(tx)), jax.jit(fused)):  # (eager: the test above)
             _, new_state = step(grads, tx.init(grads), grads)
-            assert bool(new_state.last_step_finite) == (not any(flags_want)), (tree, scale)
+            assert bool(new_state.last_step_applied) == (not any(flags_want)), (tree, scale)
             assert np.asarray(new_state.nonfinite_grads).tolist() == flags_want
 
 
@@ -285,7 +285,7 @@ def test_sums_that_overflow_no_longer_skip_finite_steps():
         opt_state = tx.init(params)
         for step in (plain(tx), jax.jit(plain(tx))):
             _, new_state = step(grads, opt_state, params)
-            assert bool(new_state.last_step_finite)
+            assert bool(new_state.last_step_applied)
             assert float(new_state.scaler.loss_scale) == 1.0
 
 
@@ -295,7 +295,7 @@ def test_a_float16_leaf_that_rounds_to_65504_is_finite():
     assert float(ls.unscale(s, g)[0]) == 65504.0
     tx = ls.with_loss_scaling(optax.identity(), s)
     _, state = tx.update(g, tx.init(g), g)
-    assert bool(state.last_step_finite)
+    assert bool(state.last_step_applied)
 
 
 @PATHS
@@ -360,7 +360,7 @@ def test_float8_and_float4_leaves_scale_unscale_and_step(maybe_jit, dtype):
     assert same_bits(unscaled, want, np.ones(3, bool))
     tx = ls.with_loss_scaling(optax.identity(), s)
     updates, state = maybe_jit(tx.update)(g, tx.init(g), g)
-    assert bool(state.last_step_finite)
+    assert bool(state.last_step_applied)
     assert same_bits(updates, want, np.ones(3, bool))
 
 
@@ -406,7 +406,7 @@ def test_lbfgs_sees_the_unscaled_grad_extra_argument(path):
     # A non-finite grad= alone skips the step.
     bad = {"value": rosenbrock(p), "grad": jnp.asarray([NAN, 0.0, 0.0]), "value_fn": rosenbrock}
     _, state = tx.update(jax.grad(rosenbrock)(p) * 1024.0, s, p, **bad)
-    assert not bool(state.last_step_finite)
+    assert not bool(state.last_step_applied)
 
 
 def test_the_inner_optimizer_receives_grad_unscaled_and_other_extra_args_untouched():
@@ -458,7 +458,7 @@ def test_float64_leaves_unscale_in_float64(tree, scale):
         want = all(all_finite_reference(x, scale) for x in tree.values())
         tx = ls.with_loss_scaling(optax.identity(), ls.StaticLossScale(scale))
         _, state = jax.jit(tx.update)(grads, tx.init(grads), grads)
-        assert bool(state.last_step_finite) == want
+        assert bool(state.last_step_applied) == want
 
 
 @pytest.mark.usefixtures("x64")

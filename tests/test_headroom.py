@@ -416,9 +416,9 @@ def test_the_recorded_max_is_the_true_max_across_float32s_range(
         expected = np.float32(ls.grads_max(grads)) / np.float32(init_scale)
         assert float(scaler.grad_max_history[i]) == expected > 0, (i, scaler)
     # Off CPU the max is a sibling of the finite test's read: the same value.
-    from loss_scaling.wrapper import screen
+    from loss_scaling.core import numerics
     big = {"w": jnp.full(size, scaled, jnp.float32), "c": jnp.array([scaled * 1j])}
-    assert float(screen._exact_test(big, None, None, True)[3]) == float(ls.grads_max(big))
+    assert float(numerics._exact_test(big, None, None, True)[3]) == float(ls.grads_max(big))
 
 
 @pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])

@@ -75,7 +75,7 @@ def scaled(tree, factor, dtype=None):
 def wrapper_counters(opt_state):
     m = ls.metrics(opt_state)
     return (float(m["loss_scale"]), int(m["growth_tracker"]), int(m["skipped_steps"]),
-            int(m["consecutive_skips"]), bool(m["last_step_finite"]))
+            int(m["consecutive_skips"]), bool(m["last_step_applied"]))
 
 
 # ---------------------------------------------------------------- known values (sgd(1.0))
@@ -184,7 +184,7 @@ def test_skipped_step_leaves_params_and_inner_state_bit_identical(maybe_jit, ski
     params, opt_state = step(bad, opt_state, params)
     assert_bit_identical(params_bits, params)
     assert_bit_identical(inner_bits, opt_state.inner_state)
-    assert not bool(opt_state.last_step_finite)
+    assert not bool(opt_state.last_step_applied)
 
 
 @pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
@@ -517,7 +517,7 @@ def test_init_hands_out_fresh_buffers_that_survive_donation(scaler, path):
     again = tx.init(jnp.array([1.0, 2.0]))                    # and init still works
     assert float(again.scaler.loss_scale) == 8.0
     params, again = step(jnp.array([1.0, 1.0]), again, jnp.array([1.0, 2.0]))
-    assert bool(again.last_step_finite)
+    assert bool(again.last_step_applied)
 
 
 def state_dtypes(opt_state):
@@ -535,7 +535,7 @@ def test_no_retrace_and_stable_dtypes_across_steps(skip, path):
     assert set(jax.tree.leaves(wrapper_dtypes)) == {
         jnp.dtype(jnp.float32), jnp.dtype(jnp.int32), jnp.dtype(jnp.bool_)}
     assert opt_state.skipped_steps.dtype == jnp.int32
-    assert opt_state.last_step_finite.dtype == jnp.bool_
+    assert opt_state.last_step_applied.dtype == jnp.bool_
     first_dtypes = state_dtypes(opt_state)
     first_structure = jax.tree.structure(opt_state)
     chex.clear_trace_counter()
@@ -588,14 +588,15 @@ def test_metrics_are_arrays_with_documented_keys(maybe_jit, scaler, tracker):
     _, opt_state = tx.update(jnp.ones(2), opt_state, params)
     m = maybe_jit(ls.metrics)(opt_state)
     assert set(m) == {"loss_scale", "growth_tracker", "skipped_steps", "consecutive_skips",
-                      "last_step_finite", "nonfinite_loss_steps", "nonfinite_grad_leaves",
-                      "failed", "failure", "clean_growths", "scale_suspicious", "grad_norm",
-                      "replays", "last_step_replays"}
+                      "last_step_applied", "last_step_finite", "nonfinite_loss_steps",
+                      "nonfinite_grad_leaves", "failed", "failure", "clean_growths",
+                      "scale_suspicious", "grad_norm", "replays", "last_step_replays"}
     for value in m.values():
         assert isinstance(value, jax.Array) and value.shape == ()
     assert {k: v.dtype for k, v in m.items()} == {
         "loss_scale": jnp.float32, "growth_tracker": jnp.int32, "skipped_steps": jnp.int32,
-        "consecutive_skips": jnp.int32, "last_step_finite": jnp.bool_,
+        "consecutive_skips": jnp.int32, "last_step_applied": jnp.bool_,
+        "last_step_finite": jnp.bool_,
         "nonfinite_loss_steps": jnp.int32, "nonfinite_grad_leaves": jnp.int32,
         "failed": jnp.bool_, "failure": jnp.int32, "clean_growths": jnp.int32,
         "scale_suspicious": jnp.bool_, "grad_norm": jnp.float32, "replays": jnp.int32,

@@ -151,7 +151,7 @@ def test_a_skipped_step_keeps_every_float_dtype_bit_for_bit_but_where_xla_cpu_fl
         tx = ls.with_loss_scaling(optax.sgd(0.1))
         grads = jax.tree.map(lambda p: jnp.full(p.shape, NAN, p.dtype), params)
         new_params, opt_state = maybe_jit(make_step(tx, path))(grads, tx.init(params), params)
-        assert not bool(opt_state.last_step_finite)
+        assert not bool(opt_state.last_step_applied)
         flushes = path == "plain" and jax.default_backend() == "cpu"
         for name, before in params.items():
             after, want = np.asarray(new_params[name]), np.asarray(before)
@@ -283,7 +283,7 @@ def test_metrics_grad_norm_is_the_unscaled_global_norm_and_nonfinite_on_a_skip(
     np.testing.assert_allclose(float(norm), want, rtol=1e-5)  # float32 sums, any order
     scaled["b"] = scaled["b"].at[7].set(INF)
     params, opt_state = step(scaled, opt_state, params)
-    assert not bool(opt_state.last_step_finite)
+    assert not bool(opt_state.last_step_applied)
     assert float(ls.metrics(opt_state)["grad_norm"]) == np.inf
     scaled["b"] = scaled["b"].at[7].set(np.nan)  # a NaN reads inf as well
     params, opt_state = step(scaled, opt_state, params)

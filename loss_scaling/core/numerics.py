@@ -5,8 +5,8 @@
   (:func:`compute_dtype`), complex leaves part by part (:func:`_per_part`).
 * **The reciprocal** (:func:`reciprocal`). Unscaling multiplies by ``r = float32(1 /
   scale)``, as PyTorch's kernel does. For a scale above 2**126, ``r`` is subnormal and
-  XLA on CPU flushes it to zero, so ``r`` is held as ``normal * post`` with both factors
-  normal. Derivation: a normal float32 ``scale`` is ``m * 2**(e - 150)`` with the
+  XLA on CPU flushes it to zero, so ``r`` is held as ``lifted * unlift`` with both
+  factors normal. Derivation: a normal float32 ``scale`` is ``m * 2**(e - 150)`` with the
   biased exponent ``e`` and the integer mantissa ``m`` in ``[2**23, 2**24)``. A scale
   in ``(2**126, 2**128)`` has ``e - 127`` equal to 126 or 127, i.e. ``e`` is 253 or 254.
   The subnormal ``r`` is an integer multiple of the smallest subnormal 2**-149:
@@ -14,8 +14,8 @@
   quotient ``q = round(2**46 / m)`` (e = 253) or ``round(2**45 / m) = round(2**46 /
   (2 * m))`` (e = 254), computed by integer long division (:func:`_rounded_quotient`),
   so rounded once, never twice (and never a tie: see there). ``q`` lies in ``[2**21,
-  2**23]``, so ``normal = r * 2**64 = q * 2**-85`` (an integer below 2**24 times a
-  power of two: exact, and normal), and ``post = 2**-64``. ``(x * normal) * post`` is
+  2**23]``, so ``lifted = r * 2**64 = q * 2**-85`` (an integer below 2**24 times a
+  power of two: exact, and normal), and ``unlift = 2**-64``. ``(x * lifted) * unlift`` is
   then ``round(x * q * 2**-85) * 2**-64``, which equals ``round(x * r)`` whenever the
   result is normal, since multiplying by a power of two between normal numbers commutes
   with rounding. So ``unscale`` gives PyTorch's bits wherever the result is a normal
@@ -27,7 +27,7 @@
   and each finite term is at most ``max / (2 * entries)``, so finite entries never add up
   to an overflow: the sum is finite iff every entry is. (A cross-device *max* would drop
   NaN on XLA CPU; a sum keeps it.)
-* **The CPU screen** (:func:`sum_screen`, used by ``loss_scaling.wrapper.step``): a
+* **The CPU screen** (:func:`sum_screen`, in the step's :func:`finite_leaves`): a
   plain sum of squares of the *scaled* gradients, the one reduction XLA CPU vectorizes
   (and the gradient norm from the same read). Why a finite sum clears a leaf: the squares
   are >= 0, so an inf or NaN entry makes the sum inf or NaN; a finite sum therefore
@@ -47,7 +47,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -96,29 +96,29 @@ def _per_part(x: jax.Array, fn: Any) -> jax.Array:
 
 
 class Reciprocal(NamedTuple):
-    """``r = float32(1 / scale)``, held as ``normal * post`` with both factors normal.
+    """``r = float32(1 / scale)``, held as ``lifted * unlift`` with both factors normal.
 
-    For a scale up to 2**126, ``r`` is a normal float32: ``normal = r`` and ``post = 1``.
+    For a scale up to 2**126, ``r`` is a normal float32: ``lifted = r``, ``unlift = 1``.
     Above, ``r`` is subnormal (PyTorch keeps it; XLA on CPU flushes it to zero, which
-    would unscale every gradient to 0): then ``normal = r * 2**64`` and ``post = 2**-64``.
-    ``(x * normal) * post`` equals ``x * r`` exactly whenever that product is a normal
-    float32, because multiplying by a power of two between normal numbers is exact.
-    ``normal`` is computed from the scale's bits by an integer division, so it is ``r``'s
-    exact value rounded once (to nearest, ties to even), never a twice-rounded one.
+    would unscale every gradient to 0): then ``lifted = r * 2**64`` and ``unlift =
+    2**-64``, and ``(x * lifted) * unlift`` equals ``x * r`` wherever that product is a
+    normal float32 (the derivation is in the module docstring).
 
-    Both factors live in one array, ``factors[..., 0]`` and ``factors[..., 1]``: on XLA
-    CPU every scalar a kernel materializes (e.g. to pass it into a conditional) is a
-    kernel to compile, while a slice read by its consumer is fused into it.
+    Both factors live in one array (``factors[..., 0]``, ``factors[..., 1]``): on XLA CPU
+    every scalar a kernel materializes is a kernel to compile, while a slice read by its
+    consumer is fused into it.
     """
 
     factors: jax.Array
 
     @property
-    def normal(self) -> jax.Array:
+    def lifted(self) -> jax.Array:
+        """``r``, or ``r * 2**64`` where ``r`` is subnormal: the first factor."""
         return self.factors[..., 0]
 
     @property
-    def post(self) -> jax.Array:
+    def unlift(self) -> jax.Array:
+        """1, or ``2**-64``: the power of two that takes ``lifted`` back to ``r``."""
         return self.factors[..., 1]
 
 
@@ -151,13 +151,13 @@ def reciprocal(scale: jax.Array) -> Reciprocal:
     # with divisor = m for e = 253 (odd) and 2 * m for e = 254 (even).
     even_exponent = (lax.shift_right_logical(bits, jnp.int32(23)) & 1) ^ 1
     quotient = _rounded_quotient(lax.shift_left(mantissa, even_exponent))
-    lifted = quotient.astype(jnp.float32) * jnp.float32(2.0**-85)  # r * 2**64, exact
+    lifted_subnormal = quotient.astype(jnp.float32) * jnp.float32(2.0**-85)  # r * 2**64
     subnormal = (scale > _F32_TINY**-1) & (scale <= _F32_MAX)
-    normal = lax.select(subnormal, lifted, 1 / scale)
-    post = jnp.where(subnormal, jnp.float32(1 / _SPLIT), jnp.float32(1.0))
-    # A barrier keeps XLA from folding (x * normal) * post into x * (normal * post) when
+    lifted = lax.select(subnormal, lifted_subnormal, 1 / scale)
+    unlift = jnp.where(subnormal, jnp.float32(1 / _SPLIT), jnp.float32(1.0))
+    # A barrier keeps XLA from folding (x * lifted) * unlift into x * (lifted * unlift) when
     # the scale is a compile-time constant: that product is the subnormal we avoid.
-    return Reciprocal(lax.optimization_barrier(jnp.stack([normal, post], axis=-1)))
+    return Reciprocal(lax.optimization_barrier(jnp.stack([lifted, unlift], axis=-1)))
 
 
 def unscale_leaf(x: jax.Array, inverse: Reciprocal, cast_back: bool = True) -> jax.Array:
@@ -167,10 +167,10 @@ def unscale_leaf(x: jax.Array, inverse: Reciprocal, cast_back: bool = True) -> j
     leaf's dtype (unless ``cast_back=False``); the finite test and the wrapper's unscale
     share this function, so they agree on every input.
     """
-    return _times(x, inverse.normal, inverse.post, cast_back)
+    return _times(x, inverse.lifted, inverse.unlift, cast_back)
 
 
-def _times(x: Any, normal: jax.Array, post: jax.Array, cast_back: bool) -> jax.Array:
+def _times(x: Any, lifted: jax.Array, unlift: jax.Array, cast_back: bool) -> jax.Array:
     """:func:`unscale_leaf` by the two factors, taken out of the :class:`Reciprocal` once
     per tree (the step traces this once per leaf: ``lax`` calls keep that cheap)."""
     x = jnp.asarray(x)
@@ -178,20 +178,23 @@ def _times(x: Any, normal: jax.Array, post: jax.Array, cast_back: bool) -> jax.A
     dtype = _real_dtype(x.dtype) if cast_back else compute
     if compute == jnp.float64:
         # float64 keeps the float32 reciprocal's exact value (normal in float64).
-        factor = normal.astype(compute) * post.astype(compute)
+        factor = lifted.astype(compute) * unlift.astype(compute)
         return _per_part(x, lambda part: part * factor)
 
     def part_times(part: jax.Array) -> jax.Array:
-        product = lax.mul(lax.mul(lax.convert_element_type(part, compute), normal), post)
+        product = lax.mul(lax.mul(lax.convert_element_type(part, compute), lifted), unlift)
         return lax.convert_element_type(product, dtype)
 
     return _per_part(x, part_times)
 
 
-def unscale_tree(tree: Any, inverse: Reciprocal) -> Any:
-    """Every floating leaf of ``tree`` times the reciprocal (:func:`unscale_leaf`)."""
-    normal, post = inverse.normal, inverse.post
-    return jax.tree.map(lambda x: _times(x, normal, post, True) if is_floating(x) else x, tree)
+def unscale_tree(tree: Any, inverse: Reciprocal | None) -> Any:
+    """Every floating leaf of ``tree`` times the reciprocal (:func:`unscale_leaf`);
+    ``inverse=None`` (no scaling) returns ``tree`` itself."""
+    if inverse is None:
+        return tree
+    lifted, unlift = inverse.lifted, inverse.unlift
+    return jax.tree.map(lambda x: _times(x, lifted, unlift, True) if is_floating(x) else x, tree)
 
 
 def _and_over_axes(flags: jax.Array, axis_name: AxisName) -> jax.Array:
@@ -218,19 +221,10 @@ def _bounded_sum(y: jax.Array) -> jax.Array:
                jnp.zeros((), compute))
 
 
-def unscaled_leaf_finite(x: Any, inverse: Reciprocal | None) -> jax.Array:
-    """Whether one leaf, unscaled as :func:`unscale` computes it, is all finite (a scalar
-    bool; ``True`` for integer and bool leaves)."""
-    if not is_floating(x):
-        return jnp.asarray(True)
-    return jnp.isfinite(unscaled_bounded_sum(x, inverse))
-
-
 def unscaled_bounded_sum(x: Any, inverse: Reciprocal | None) -> jax.Array:
     """:func:`_bounded_sum` of one floating leaf unscaled as :func:`unscale` computes it:
-    finite iff every unscaled entry is (:func:`unscaled_leaf_finite` is its
-    ``isfinite``). Several leaves' sums stacked take one ``isfinite`` kernel, not one
-    each."""
+    finite iff every unscaled entry is. Several leaves' sums stacked take one
+    ``isfinite`` kernel, not one each."""
     x = jnp.asarray(x)
     return _bounded_sum(x if inverse is None else unscale_leaf(x, inverse))
 
@@ -250,7 +244,8 @@ def unscaled_finite_leaves(
       ``(flags, finite)``: a bool vector with one entry per leaf of ``tree``, in
       ``jax.tree.leaves`` order (``True`` for integer and bool leaves), and their AND.
     """
-    flags = [unscaled_leaf_finite(x, inverse) for x in jax.tree.leaves(tree)]
+    flags = [jnp.isfinite(unscaled_bounded_sum(x, inverse)) if is_floating(x)
+             else jnp.asarray(True) for x in jax.tree.leaves(tree)]
     if not flags:
         return jnp.ones((0,), jnp.bool_), jnp.asarray(True)
     stacked = _and_over_axes(jnp.stack(flags), axis_name)
@@ -337,8 +332,8 @@ def leaf_order(groups: Sequence[LeafGroup], n: int) -> tuple[int, np.ndarray | N
 def group_vector(leaves: Sequence[Any], group: LeafGroup) -> jax.Array:
     """The group's leaves as one array: the leaf itself, or a concatenated copy.
 
-    Read by the screen, and made again by the exact test and the max in their own
-    conditionals (a copy kept for them would stay alive across the step). The barrier
+    Made once per step by :func:`finite_leaves` and read by the screen, the exact test
+    and the max (the copy lives until the last of their conditionals). The barrier
     keeps XLA from splitting a reduction of the concatenation back into one reduction
     per leaf, which is what the group is there to avoid.
     """
@@ -365,13 +360,6 @@ def sum_screen(vector: jax.Array) -> jax.Array:
                jnp.zeros((), compute))
 
 
-def square_sum(x: Any) -> jax.Array:
-    """``sum(|x|**2)`` of one floating leaf in its compute dtype (0 for other leaves)."""
-    if not is_floating(x) or not jnp.size(x):
-        return jnp.zeros((), jnp.float32)
-    return sum_screen(jnp.asarray(x))
-
-
 def all_rows(flags: jax.Array) -> jax.Array:
     """``flags.all(axis=-1)`` as a min of int8: on XLA CPU a boolean AND-reduction is
     rewritten into a tree of reduce-windows, each a kernel to compile; a min is one."""
@@ -380,7 +368,7 @@ def all_rows(flags: jax.Array) -> jax.Array:
 
 def unscaled_group_finite(vector: jax.Array, sizes: Sequence[int] | None,
                           inverse: Reciprocal | None) -> jax.Array:
-    """Per leaf of a group, :func:`unscaled_leaf_finite` (a bool vector), from the
+    """Per leaf of a group, whether it is all finite unscaled (a bool vector), from the
     group's :func:`group_vector` and, for a joined group, its leaves' sizes in order
     (``None`` for one leaf read in place).
 
@@ -392,8 +380,246 @@ def unscaled_group_finite(vector: jax.Array, sizes: Sequence[int] | None,
     even the kernels of a branch not taken cost time.)
     """
     if sizes is None:
-        return unscaled_leaf_finite(vector, inverse)[None]
+        return jnp.isfinite(unscaled_bounded_sum(vector, inverse))[None]
     finite = jnp.isfinite(vector if inverse is None else unscale_leaf(vector, inverse))
     segments = jnp.asarray(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes))
     return jax.ops.segment_min(finite.astype(jnp.int8), segments, len(sizes),
                                indices_are_sorted=True) == 1
+
+
+# ------------------------------------------- the one read of the gradients (the step)
+
+
+def _vary(x: Any, axes: frozenset[Any]) -> Any:
+    missing = axes - varying_axes(x)
+    return lax.pcast(x, tuple(sorted(missing, key=str)), to="varying") if missing else x
+
+
+def skip_cond(apply: jax.Array, step: Callable[[Any], Any], skip_step: Callable[[Any], Any],
+               operands: Any) -> Any:
+    """``lax.cond(apply, step, skip_step, operands)``, valid under ``shard_map``'s vma checks.
+
+    Inside ``shard_map`` the two branches can disagree on the mesh axes an output varies
+    over, e.g. tensor-parallel updates vary over "model" where the ``-0.0`` of a skip does
+    not. Each output is cast to the union of both (``pcast`` to varying: a change of type,
+    no communication), so the cond type-checks and the shard_map's ``out_specs`` judge
+    the result. Outside ``shard_map`` this is a plain ``lax.cond``; with a concrete
+    ``apply`` (eagerly, no trace) the taken branch is called.
+    """
+    if not isinstance(apply, jax.core.Tracer):
+        # Called eagerly, lax.cond traces both branches anew and compiles them at every
+        # call (a step cost several compiles); the taken branch, op by op, gives the values
+        # (as arrays, as the conditional returns them).
+        return jax.tree.map(jnp.asarray, step(operands) if bool(apply) else skip_step(operands))
+    if not jax.sharding.get_abstract_mesh().manual_axes:
+        return lax.cond(apply, step, skip_step, operands)
+    stepped, skipped = (jax.eval_shape(f, operands) for f in (step, skip_step))
+    axes = jax.tree.map(lambda a, b: varying_axes(a) | varying_axes(b), stepped, skipped)
+
+    def cast(branch: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        return lambda operands: jax.tree.map(_vary, branch(operands), axes)
+
+    return lax.cond(apply, cast(step), cast(skip_step), operands)
+
+
+# ------------------------------------------------------------- the norm, over replicas
+
+
+def replica_square_sum(sums: Sequence[jax.Array], axis_name: AxisName) -> jax.Array:
+    """The float32 total of per-group (or per-leaf) sums of squares, for the norm.
+
+    Under ``shard_map`` a sum that varies over some of the ``axis_name`` axes is a shard's
+    part of a leaf split over them (tensor parallelism): those parts add up (``psum``),
+    while a sum invariant over an axis is already the whole leaf's (replicated, e.g.
+    ``pmean``-ed, gradients; :func:`loss_scaling.core.leaf_groups` never joins
+    the two kinds).
+    """
+    names = _axis_names(axis_name)
+    total = jnp.zeros((), jnp.float32)
+    for part in sums:
+        part = part.astype(jnp.float32)
+        split = tuple(a for a in names if a in varying_axes(part))
+        total = total + (lax.psum(part, split) if split else part)
+    return total
+
+
+def _axis_names(axis_name: AxisName) -> tuple[Any, ...]:
+    if axis_name is None:
+        return ()
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def agree(flags: jax.Array, squares: jax.Array, axis_name: AxisName,
+          peak: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    """Flags ANDed, and the sum of squares made one value, over the replicas: ONE ``pmin``.
+
+    ``pmin(-x)`` is ``-pmax(x)``: where JAX does not track what varies (``pmap``,
+    ``check_vma=False``) the replicas' gradients are taken to be the same, and the largest
+    sum (an inf on one replica reaches all) is the one every replica reports. A NaN sum
+    reads +inf first: the min of an all-reduce need not propagate NaN, and the norm of
+    non-finite gradients is then inf on every path and device. A ``peak`` (the largest
+    |entry|, headroom growth) rides in the same ``pmin``: ``(flags, squares, peak)``.
+    """
+    maxima = [jnp.where(jnp.isnan(x), jnp.inf, x) for x in (squares, peak) if x is not None]
+    if axis_name is None:
+        return (flags, *maxima)
+    every = lax.pmin(jnp.concatenate([flags.astype(jnp.float32), *(-x[None] for x in maxima)]),
+                     axis_name)
+    n = flags.shape[0]
+    return (every[:n] == 1, *(-every[n + i] for i in range(len(maxima))))
+
+
+def group_peak(x: jax.Array) -> jax.Array:
+    """The largest ``|entry|`` of a group's vector as float32, as
+    :func:`loss_scaling.grads_max` computes it (complex: the modulus).
+
+    The magnitude itself, not the square root of the largest square: a square leaves
+    float32's range for an entry above ~1.8e19 (it would read inf, "no room", for ever
+    with ``headroom_dtype`` float32 or bfloat16) and flushes to 0 below ~1.1e-19 (an
+    empty entry, though the gradients are not zero).
+    """
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def _peak(vectors: Sequence[jax.Array]) -> jax.Array:
+    """The largest :func:`group_peak` of several vectors, float32 (0 for none)."""
+    peaks = [group_peak(x) for x in vectors]
+    return jnp.max(jnp.stack(peaks)) if peaks else jnp.zeros((), jnp.float32)
+
+
+def floating_leaves(tree: Any) -> list[jax.Array]:
+    """The floating, non-empty leaves of ``tree`` (what the norm and the max read)."""
+    return [jnp.asarray(x) for x in jax.tree.leaves(tree) if is_floating(x) and jnp.size(x)]
+
+
+def finite_leaves(grads: Any, inverse: Reciprocal | None, axis_name: AxisName,
+                  measure: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array,
+                                                             jax.Array | None]:
+    """Per gradient leaf, whether its unscaled values are all finite; their AND; the
+    sum of squares of the (scaled) gradients, in float32, for the norm; and with
+    ``measure`` (``growth="headroom"``: whether the rule records this step's max, a
+    bool) the largest |entry| of the scaled gradients (float32, agreed over
+    ``axis_name``), else None.
+
+    The max is that of the magnitudes (:func:`group_peak`). Off CPU it is a sibling
+    reduction of the same leaves the norm reads (one read), taken in the same collective,
+    on every step.
+    XLA on CPU does not fuse a second reduction into the screen's vectorized sum (a
+    multi-output reduction ran 10-20x slower than the sum, benchmarks/headroom_cost.py):
+    there the max is a second read with its own collective, under a conditional that
+    runs it only on the steps that record it (and are finite); a model of small leaves
+    only, where the conditional costs more than the read, reads it on every step. On the
+    other steps it is 0, which the rule ignores
+    (:func:`loss_scaling.core.update.records_max`).
+
+    On CPU the leaves are first screened by sums of squares, the one reduction XLA CPU
+    vectorizes (about 3x faster than one with the unscale or ``abs`` as its producer,
+    benchmarks/step_breakdown.py), small leaves joined
+    (:func:`leaf_groups`, each read as one vector); why a finite sum clears a group is
+    argued in the module docstring. Only if a group is not cleared does the
+    exact test run (:func:`_exact_flags`, under a conditional). Other backends run the
+    exact test directly: a conditional can cost them a host round trip.
+    """
+    leaves = jax.tree.leaves(grads)
+    groups = leaf_groups(leaves)
+    if jax.default_backend() != "cpu" or not groups:
+        return _exact_test(grads, inverse, axis_name, measure is not None)
+    small_reciprocal = jnp.asarray(True)
+    if inverse is not None:
+        small_reciprocal = (inverse.lifted <= 1) | (inverse.unlift < 1)
+    # The joined groups' vectors are made once: the exact test and the max read them too
+    # (copied again in each conditional they cost a kernel per small leaf to compile).
+    vectors = [group_vector(leaves, group) for group in groups]
+    sums = [sum_screen(x) for x in vectors]
+    cleared = [jnp.isfinite(x) & small_reciprocal for x in sums]
+    # The branch must be the same on every replica: one collective for it and the norm.
+    all_cleared, squares = agree(
+        all_rows(jnp.stack(cleared))[None], replica_square_sum(sums, axis_name),
+        axis_name)
+    all_cleared = all_cleared[0]
+
+    def exact(_: Any) -> tuple[jax.Array, jax.Array]:
+        return _exact_flags(leaves, groups, vectors, inverse, axis_name)
+
+    n = len(leaves)
+    flags, finite = skip_cond(all_cleared,
+                              lambda _: (jnp.ones((n,), jnp.bool_), jnp.asarray(True)),
+                              exact, None)
+    grads_max = None
+    if measure is not None:
+        grads_max = _read_max(vectors, groups, axis_name, measure & finite)
+    return flags, finite, squares, grads_max
+
+
+def _exact_flags(leaves: list[Any], groups: list[LeafGroup], vectors: list[jax.Array],
+                 inverse: Reciprocal | None,
+                 axis_name: AxisName) -> tuple[jax.Array, jax.Array]:
+    """The branch :func:`finite_leaves` takes when the screen did not clear every group:
+    the exact test per leaf (in leaf order, agreed over ``axis_name``) and their AND.
+
+    One computation kept small, because XLA compiles every kernel of it on each compile,
+    taken or not: a large leaf is one fused reduction (:func:`unscaled_bounded_sum`;
+    stacking leaves of one shape into one reduction saved a kernel each, but its copy is
+    temp memory the size of those leaves on every step), their sums take one
+    ``isfinite``, and a joined group's vector, the one the screen read, is tested by one
+    segment reduction (concatenated again here it cost a copy kernel per small leaf:
+    2,293 -> 2,245 kernels for the GPT below). It rereads every group,
+    cleared or not, on steps that are skipped anyway: a conditional per large leaf, to
+    reread only what overflowed, cost four kernels and a conditional a leaf to compile
+    (a 12-layer GPT's train step: 2,395 -> 2,293 kernels, 28 -> 2 conditionals,
+    ``benchmarks/train_step_compile.py --counts``). The flags are put in leaf order by
+    one static permutation.
+    """
+    sums: dict[Any, list[tuple[LeafGroup, jax.Array]]] = {}
+    for group in groups:
+        if not group.joined:  # one stack per compute dtype: a cast could overflow
+            x = unscaled_bounded_sum(leaves[group.indices[0]], inverse)
+            sums.setdefault(x.dtype, []).append((group, x))
+    large = [group for pairs in sums.values() for group, _ in pairs]
+    parts = [jnp.isfinite(jnp.stack([x for _, x in pairs])) for pairs in sums.values()]
+    joined = [group for group in groups if group.joined]
+    for group, vector in zip(groups, vectors, strict=True):
+        if group.joined:
+            sizes = [int(np.size(leaves[i])) for i in group.indices]
+            parts.append(unscaled_group_finite(vector, sizes, inverse))
+    ungrouped, permutation = leaf_order(large + joined, len(leaves))
+    if ungrouped:  # integer, bool and empty leaves: always finite
+        parts.append(jnp.ones((ungrouped,), jnp.bool_))
+    stacked = jnp.concatenate(parts)
+    if permutation is not None:
+        stacked = stacked[permutation]
+    if axis_name is not None:
+        stacked = lax.pmin(stacked.astype(jnp.int32), axis_name) == 1
+    return stacked, all_rows(stacked)
+
+
+def _exact_test(grads: Any, inverse: Reciprocal | None, axis_name: AxisName,
+                with_max: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """:func:`finite_leaves` off CPU: the exact test, and sibling reductions of the same
+    leaves for the norm (and the max), which XLA fuses into one read on GPU."""
+    leaves = floating_leaves(grads)
+    squares = replica_square_sum([sum_screen(x) for x in leaves], axis_name)
+    flags, _ = unscaled_finite_leaves(grads, inverse, None)
+    if with_max:
+        flags, squares, peak = agree(flags, squares, axis_name, _peak(leaves))
+        return flags, flags.all(), squares, peak
+    flags, squares = agree(flags, squares, axis_name)
+    return flags, flags.all(), squares, None
+
+
+def _read_max(vectors: list[jax.Array], groups: list[LeafGroup],
+              axis_name: AxisName, read: jax.Array) -> jax.Array:
+    """On CPU: the max |entry| in a pass of its own under a conditional (0 unless
+    ``read``), agreed over ``axis_name`` by its own ``pmin`` (NaN-safe)."""
+    def read_max(_: Any) -> jax.Array:
+        peak = _peak(vectors)
+        if axis_name is not None:
+            peak = -lax.pmin(-jnp.where(jnp.isnan(peak), jnp.inf, peak), axis_name)
+        return peak
+
+    if all(group.joined for group in groups):
+        # Only small leaves, concatenated: a few small kernels on every step cost less
+        # than a conditional around them (4k params: 1.13x -> 1.10x the default step,
+        # benchmarks/headroom_cost.py); `read` still zeroes the steps it does not record.
+        return jnp.where(read, read_max(None), jnp.zeros((), jnp.float32))
+    return skip_cond(read, read_max, lambda _: jnp.zeros((), jnp.float32), None)

@@ -285,11 +285,13 @@ and ``isinstance(s, ls.LossScale)``; :func:`loss_scale_for` picks one for a comp
 
 
 SCALER_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+"""The three kinds, for ``isinstance`` checks."""
+
 
 def require_scaler(argument: str, value: Any) -> None:
+    """A ``TypeError`` naming ``argument`` unless ``value`` is a loss-scale state."""
     if not isinstance(value, SCALER_TYPES):
         raise not_a_scaler(argument, value)
-"""The three kinds, for ``isinstance`` checks."""
 
 
 def loss_scale_for(compute_dtype: Any, **dynamic_options: Any) -> LossScale:
@@ -380,7 +382,7 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-def _rebuild(cls: type, aux: Any, children: tuple[Any, ...]) -> Any:
+def _unpickle(cls: type, aux: Any, children: tuple[Any, ...]) -> Any:
     """Unpickling: unflatten (no validation, like every unflatten) the pickled parts."""
     if cls is NoOpLossScale:
         return object.__new__(NoOpLossScale)
@@ -389,10 +391,10 @@ def _rebuild(cls: type, aux: Any, children: tuple[Any, ...]) -> Any:
     return DynamicLossScale._from_parts(aux, children)
 
 
-def _reduce(self: Any) -> tuple[Any, ...]:
+def _pickle_reduce(self: Any) -> tuple[Any, ...]:
     children, aux = jax.tree_util.tree_flatten(self)[0], getattr(self, "config", None)
-    return (_rebuild, (type(self), aux, tuple(children)))
+    return (_unpickle, (type(self), aux, tuple(children)))
 
 
 for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
-    _cls.__reduce__ = _reduce  # type: ignore[method-assign]
+    _cls.__reduce__ = _pickle_reduce  # type: ignore[method-assign]

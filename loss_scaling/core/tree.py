@@ -27,12 +27,14 @@ from jax import lax
 
 from loss_scaling.core.numerics import (
     AxisName,
-    _and_over_axes,
+    _peak,
     _per_part,
     compute_dtype,
+    floating_leaves,
     is_floating,
     reciprocal,
     unscale_tree,
+    unscaled_finite_leaves,
 )
 from loss_scaling.core.scalers import (
     LossScale,
@@ -70,7 +72,7 @@ def scale_loss(state: LossScale, loss: Any) -> Any:
     """:func:`scale` for ``ls.value_and_grad`` itself (no double-scaling check)."""
     if isinstance(state, NoOpLossScale):
         return loss
-    return _scale(state.loss_scale, loss)
+    return _times_factor(state.loss_scale, loss)
 
 
 def _check_state(state: Any) -> None:
@@ -78,7 +80,7 @@ def _check_state(state: Any) -> None:
 
 
 @jax.jit
-def _scale(factor: jax.Array, tree: Any) -> Any:
+def _times_factor(factor: jax.Array, tree: Any) -> Any:
     def leaf(x: Any) -> Any:
         if not is_floating(x):
             return x
@@ -90,7 +92,7 @@ def _scale(factor: jax.Array, tree: Any) -> Any:
 
 
 @jax.jit
-def _unscale(factor: jax.Array, tree: Any) -> Any:
+def _times_reciprocal(factor: jax.Array, tree: Any) -> Any:
     return unscale_tree(tree, reciprocal(factor))
 
 
@@ -161,13 +163,11 @@ def unscale(state: LossScale, tree: Any) -> Any:
     _check_state(state)
     if isinstance(state, NoOpLossScale):
         return tree
-    return _unscale(state.loss_scale, tree)
+    return _times_reciprocal(state.loss_scale, tree)
 
 
 def _all_finite(tree: Any, axis_name: AxisName) -> jax.Array:
-    flags = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if is_floating(x)]
-    finite = jnp.stack(flags).all() if flags else jnp.asarray(True)
-    return _and_over_axes(finite, axis_name)
+    return unscaled_finite_leaves(tree, None, axis_name)[1]
 
 
 _all_finite_jit = jax.jit(_all_finite, static_argnames="axis_name")
@@ -201,9 +201,7 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
 
 
 def _grads_max(tree: Any, axis_name: AxisName) -> jax.Array:
-    peaks = [jnp.max(jnp.abs(x)).astype(jnp.float32) for x in jax.tree.leaves(tree)
-             if is_floating(x) and jnp.size(x)]
-    peak = jnp.max(jnp.stack(peaks)) if peaks else jnp.zeros((), jnp.float32)
+    peak = _peak(floating_leaves(tree))
     return peak if axis_name is None else lax.pmax(peak, axis_name)
 
 

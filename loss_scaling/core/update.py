@@ -8,6 +8,7 @@ from typing import Any, Literal, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 
 from loss_scaling import _errors
@@ -20,7 +21,6 @@ from loss_scaling.core.scalers import (
 )
 from loss_scaling.core.validation import (
     _F32,
-    _INT32_MAX,
     DynamicConfig,
     _is_traced,
     scale_range,
@@ -38,11 +38,6 @@ def _as_finite_flag(grads_finite: Any) -> jax.Array:
             f"got {grads_finite!r}."
         )
     return jnp.asarray(grads_finite)
-
-
-def _saturating_increment(counter: jax.Array) -> jax.Array:
-    """``counter + 1``, staying at int32's max instead of wrapping."""
-    return jnp.where(counter < _INT32_MAX, counter + 1, counter)
 
 
 def _as_grads_max(state: LossScale, grads_max: Any) -> jax.Array | None:
@@ -73,9 +68,9 @@ def _clean_step(state: DynamicLossScale,
     config = state.config
     scale, tracker = state.loss_scale, state.growth_tracker
     # Count, and grow on the growth_interval-th one unless that overflows. The counters
-    # saturate at int32's max (optax.safe_increment style): hysteresis and
-    # growth_interval may be anything in [1, 2**31 - 1], and no counter ever wraps.
-    counted = _saturating_increment(tracker)
+    # saturate at int32's max: hysteresis and growth_interval may be anything in
+    # [1, 2**31 - 1], and no counter ever wraps.
+    counted = optax.safe_increment(tracker)
     grows = counted >= config.growth_interval
     if config.growth == "headroom":
         assert grads_max is not None
@@ -171,7 +166,7 @@ def headroom_target(config: DynamicConfig, peak: jax.Array, cap: jax.Array) -> j
 
 def _dynamic_step(
     state: DynamicLossScale, finite: jax.Array, grads_max: jax.Array | None = None,
-    backoff: bool = False,
+    backoff: bool = False, valid: jax.Array | None = None,
 ) -> tuple[DynamicLossScale, jax.Array]:
     """One application of the rule; returns (new state, whether it failed on this step).
 
@@ -179,16 +174,17 @@ def _dynamic_step(
     closed and sticky: a backoff below the normal float32 range, or a scale that is not
     a positive normal float32 on arrival, records a :class:`Failure` code and keeps every
     value as it was (the scale at its last valid value, never 0, subnormal or NaN); a
-    failed state never changes again.
+    failed state never changes again. ``valid``: the scale's validity when the caller
+    has checked it already (the wrapper checks it once a step, :func:`is_positive_normal`).
     """
     config = state.config
     scale, tracker, streak = state.loss_scale, state.growth_tracker, state.nonfinite_tracker
     healthy = state.failure == 0
-    valid = is_positive_normal(scale)
+    valid = is_positive_normal(scale) if valid is None else valid
     clean = _clean_step(state, grads_max)
 
     # Non-finite step: back off once the hysteresis is used up (at once for a replay).
-    bad_streak = jnp.minimum(_saturating_increment(streak), config.hysteresis)
+    bad_streak = jnp.minimum(optax.safe_increment(streak), config.hysteresis)
     backs_off = jnp.asarray(True) if backoff else bad_streak >= config.hysteresis
     shrunk = scale * jnp.float32(config.backoff_factor)
     if config.min_scale is not None:
@@ -225,17 +221,19 @@ _dynamic_step_jit = jax.jit(_dynamic_step, static_argnames="backoff")
 
 
 def _run(state: DynamicLossScale, finite: jax.Array, grads_max: jax.Array | None,
-         backoff: bool = False) -> tuple[DynamicLossScale, jax.Array]:
+         backoff: bool = False, valid: jax.Array | None = None
+         ) -> tuple[DynamicLossScale, jax.Array]:
     """The rule traced in place inside a trace, else one cached compiled call."""
-    if any(_is_traced(x) for x in jax.tree.leaves((state, finite, grads_max))):
-        return _dynamic_step(state, finite, grads_max, backoff)
-    return _dynamic_step_jit(state, finite, grads_max, backoff=backoff)
+    if any(_is_traced(x) for x in jax.tree.leaves((state, finite, grads_max, valid))):
+        return _dynamic_step(state, finite, grads_max, backoff, valid)
+    return _dynamic_step_jit(state, finite, grads_max, backoff=backoff, valid=valid)
 
 
-def step_recorded(state: DynamicLossScale, finite: jax.Array, *,
-                  grads_max: Any = None) -> DynamicLossScale:
-    """:func:`update`'s new state with a failure only recorded, never raised (eager too)."""
-    return _run(state, jnp.asarray(finite), _as_grads_max(state, grads_max))[0]
+def step_recorded(state: DynamicLossScale, finite: jax.Array, *, grads_max: Any = None,
+                  valid: jax.Array | None = None) -> DynamicLossScale:
+    """:func:`update`'s new state with a failure only recorded, never raised (eager too);
+    ``valid``: the scale's validity, checked once a step by the caller."""
+    return _run(state, jnp.asarray(finite), _as_grads_max(state, grads_max), valid=valid)[0]
 
 
 def backoff_now(state: LossScale) -> LossScale:
@@ -280,7 +278,7 @@ def resolve_on_failure(on_failure: Any) -> OnFailure:
     return on_failure
 
 
-def failure_message(scaler: DynamicLossScale | StaticLossScale) -> str:
+def scaler_failure_message(scaler: DynamicLossScale | StaticLossScale) -> str:
     """The host-side message for a failed scaler (concrete, unreplicated values)."""
     code = Failure(int(np.asarray(getattr(scaler, "failure", Failure.INVALID_SCALE))))
     if code == Failure.BACKOFF_UNDERFLOW:
@@ -363,10 +361,10 @@ def update(
                                    *jax.tree.leaves(new_state))
         return new_state
     if np.any(np.asarray(new_state.failure)):
-        raise _errors.LossScaleError(failure_message(new_state))
+        raise _errors.LossScaleError(scaler_failure_message(new_state))
     return new_state
 
 
 def _message_from_leaves(config: DynamicConfig) -> Any:
-    return lambda *leaves: failure_message(DynamicLossScale._from_parts(config, leaves))
+    return lambda *leaves: scaler_failure_message(DynamicLossScale._from_parts(config, leaves))
 

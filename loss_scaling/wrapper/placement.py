@@ -31,13 +31,9 @@ from typing import Any
 import jax
 import optax
 
-from loss_scaling.wrapper.state import (
-    LossScalingState,
-    path_str,
-    refuse_wrapper_inside_multisteps,
-)
+from loss_scaling.wrapper.state import LossScalingState
 
-__all__ = ["misplaced_wrapper_reason", "refuse_misplaced_wrapper"]
+__all__ = ["misplaced_wrapper_reason", "refuse_not_outermost", "wrapper_states_in"]
 
 WRAPPER_NOT_OUTERMOST = (
     "This optimizer state holds `ls.with_loss_scaling(...)` inside another transformation "
@@ -70,7 +66,7 @@ WHY_GROUP_WITHOUT_WRAPPER = (
 )
 
 
-def refuse_misplaced_wrapper(opt_state: Any) -> None:
+def refuse_not_outermost(opt_state: Any) -> None:
     """Raises ``ValueError`` if a wrapper state is not outermost in ``opt_state``.
 
     ``opt_state`` is a pure pytree (framework containers already unwrapped). The
@@ -165,3 +161,75 @@ def _walk_groups(node: Any, path: tuple[Any, ...]) -> str | None:
         return _message("optax.multi_transform", path, why).replace(
             f"{why} Put the wrapper outermost", f"{why} put the wrapper outermost")
     return None
+
+
+WRAPPER_INSIDE_MULTISTEPS = (
+    "This optimizer state holds `ls.with_loss_scaling(...)` inside `optax.MultiSteps` "
+    "({where}): that order trains nothing after the first overflow "
+    "(MultiSteps resets its accumulator as (1 - emit) * acc, and 0 * inf is NaN, so every "
+    "later window is skipped too). Put the wrapper around the accumulation: "
+    "`ls.with_loss_scaling(optax.MultiSteps(inner, every_k_schedule=k))`, which unscales "
+    "and checks each micro batch on its own (see docs/optax_wrapper.md, "
+    "\"Gradient accumulation\")."
+)
+
+
+def wrapper_states_in(opt_state: Any) -> list[tuple[str, LossScalingState]]:
+    """Every wrapper state inside an optax state, with its key path (``path_str``)."""
+    # optax matches a NamedTuple by its class name; the isinstance filter rules out
+    # any other class that happens to share the name.
+    found = optax.tree_utils.tree_get_all_with_path(
+        opt_state, LossScalingState.__name__,
+        filtering=lambda _, value: isinstance(value, LossScalingState))
+    return [(path_str(path), value) for path, value in found]
+
+
+def refuse_wrapper_inside_multisteps(opt_state: Any) -> None:
+    """Raises ``ValueError`` if a wrapper state sits inside an ``optax.MultiStepsState``."""
+    if not _multisteps_around_a_wrapper(opt_state):
+        return
+    found = optax.tree_utils.tree_get_all_with_path(
+        opt_state, optax.MultiStepsState.__name__,
+        filtering=lambda _, value: isinstance(value, optax.MultiStepsState))
+    for path, state in found:
+        if wrapper_states_in(state.inner_opt_state):
+            where = path_str(path)
+            raise ValueError(WRAPPER_INSIDE_MULTISTEPS.format(
+                where=f"the MultiStepsState at path {where!r}" if where
+                else "the MultiStepsState is the whole state"))
+
+
+def _multisteps_around_a_wrapper(tree: Any) -> bool:
+    """The common answer, no, without key paths: it stops at the outermost states (an
+    eager `ls.value_and_grad` pays this on every call, 7 ms for 1,000 leaves with paths)."""
+    def is_wrapper(x: Any) -> bool:
+        return isinstance(x, LossScalingState)
+
+    for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(
+            x, (optax.MultiStepsState, LossScalingState))):
+        if isinstance(x, optax.MultiStepsState):
+            if any(map(is_wrapper, jax.tree.leaves(x.inner_opt_state, is_leaf=is_wrapper))):
+                return True
+            inner = x.inner_opt_state
+        elif is_wrapper(x):
+            inner = x.inner_state
+        else:
+            continue
+        if _multisteps_around_a_wrapper(inner):
+            return True
+    return False
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+    """A key path as Python would index it, e.g. ``.inner_states['x'].inner_state``."""
+    parts = []
+    for key in path:
+        if isinstance(key, (optax.tree_utils.NamedTupleKey, jax.tree_util.GetAttrKey)):
+            parts.append(f".{key.name}")
+        elif isinstance(key, jax.tree_util.DictKey):
+            parts.append(f"[{key.key!r}]")
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(f"[{key.idx}]")
+        else:
+            parts.append(jax.tree_util.keystr((key,)))
+    return "".join(parts)

@@ -1,7 +1,7 @@
 """Replay: a batch whose gradients overflow is recomputed at the backed-off scale inside
 the same compiled step, up to ``max_replays`` times, instead of being dropped.
 
-:func:`replay` runs right after the first :func:`~loss_scaling.wrapper.step.decide`:
+:func:`replay` runs right after the first :func:`~loss_scaling.wrapper.transform.decide`:
 
     while the gradients are not finite, the loss is finite, the state is healthy,
           replays < max_replays, and a backoff lowers the scale without failing:
@@ -34,9 +34,9 @@ from jax import lax
 
 from loss_scaling._errors import Failure, describe
 from loss_scaling.core import tree
-from loss_scaling.core import update as scalers
+from loss_scaling.core.numerics import skip_cond
 from loss_scaling.core.scalers import DynamicLossScale
-from loss_scaling.wrapper.screen import skip_cond
+from loss_scaling.core.update import backoff_now
 from loss_scaling.wrapper.state import REPLAY_EXTRA_ARG, LossScalingState, WrapperOptions
 
 NO_VALUE_FN = (
@@ -133,7 +133,7 @@ def replay(options: WrapperOptions, state: LossScalingState, params: Any,
            decide: Callable[..., Any]) -> tuple[Any, Any, dict[str, Any]]:
     """The loop in the module docstring: ``(final decision, its scaler, extra_args)``.
 
-    ``decide`` is :func:`~loss_scaling.wrapper.step.decide` (passed in: the step module
+    ``decide`` is :func:`~loss_scaling.wrapper.transform.decide` (passed in: the transform module
     imports this one). A ``grad=`` extra argument (``optax.lbfgs``'s) is the gradients of
     ``value_fn``: each replay replaces it by its own, as it replaces ``loss=``.
     """
@@ -145,7 +145,7 @@ def replay(options: WrapperOptions, state: LossScalingState, params: Any,
 
     def more(carry: tuple[Any, Any]) -> jax.Array:
         last, scaler = carry
-        lowered: DynamicLossScale = scalers.backoff_now(scaler)  # type: ignore[assignment]
+        lowered: DynamicLossScale = backoff_now(scaler)  # type: ignore[assignment]
         return (~last.grads_finite & last.loss_finite & last.healthy
                 & (last.replays < options.max_replays)
                 & (lowered.failure == Failure.NONE)
@@ -153,7 +153,7 @@ def replay(options: WrapperOptions, state: LossScalingState, params: Any,
 
     def again(carry: tuple[Any, Any]) -> tuple[Any, Any]:
         last, scaler = carry
-        scaler = scalers.backoff_now(scaler)
+        scaler = backoff_now(scaler)
         loss, grads = scaled_value_and_grad(value_fn, scaler, params, first_grads)
         extra = {**extra_args, "loss": loss}
         if extra_args.get("grad") is not None:

@@ -13,15 +13,18 @@ import optax
 
 from loss_scaling import _errors
 from loss_scaling._errors import Failure
-from loss_scaling.core import update as scalers
 from loss_scaling.core.numerics import AxisName
-from loss_scaling.core.scalers import SCALER_TYPES, LossScale
+from loss_scaling.core.scalers import LossScale
+from loss_scaling.core.update import OnFailure, scaler_failure_message
 
 SkipMode = Literal["auto", "cond", "select"]
 NonFiniteLoss = Literal["backoff", "skip"]
 GRADIENT_EXTRA_ARGS = ("grad",)
 """Extra arguments of ``update`` that hold gradients of the scaled loss: unscaled and checked."""
 CONSUMED_EXTRA_ARGS = ("loss",)
+"""Extra arguments of ``update`` that are the wrapper's own (checked) and not forwarded:
+optax's line searches (``lbfgs``) and ``optax.contrib.sam`` refuse arguments they do not
+know. An inner optimizer that wants the loss takes it as ``value=``, optax's name."""
 REPLAY_EXTRA_ARG = "value_fn"
 """The loss function (of the params, unscaled) that a replay differentiates again; also
 forwarded to an inner optimizer whose ``update`` takes it (optax's line searches)."""
@@ -29,9 +32,6 @@ MAX_NONFINITE_LOSSES = 16
 """The default ``max_nonfinite_losses`` (16 backoffs take the default scale to 0.5)."""
 MAX_REPLAYS = 64
 """The largest ``max_replays``: 64 backoffs by 0.5 take any float32 scale below 2**-40."""
-"""Extra arguments of ``update`` that are the wrapper's own (checked) and not forwarded:
-optax's line searches (``lbfgs``) and ``optax.contrib.sam`` refuse arguments they do not
-know. An inner optimizer that wants the loss takes it as ``value=``, optax's name."""
 
 
 class LossScalingState(NamedTuple):
@@ -43,7 +43,8 @@ class LossScalingState(NamedTuple):
       inner_state: the wrapped optimizer's state; unchanged by skipped steps.
       skipped_steps: int32, steps skipped in total (saturating).
       consecutive_skips: int32, steps skipped since the last applied one (saturating).
-      last_step_finite: bool, whether the last step was applied.
+      last_step_applied: bool, whether the last step was applied (its gradients, and the
+        loss when given, finite; the state healthy).
       nonfinite_loss_steps: int32, steps skipped because the ``loss`` passed to the
         update was itself non-finite (saturating).
       nonfinite_grads: bool vector with one entry per gradient leaf, in
@@ -60,14 +61,10 @@ class LossScalingState(NamedTuple):
       underflow: ``None``, or with ``underflow_diagnostics=True`` an
         :class:`UnderflowStats` of this step's gradients.
       grad_norm: float32, the global L2 norm of the last step's *unscaled* gradients
-        (what PyTorch's ``clip_grad_norm_`` returns), from the same read of the gradients
-        as the finite test (the sum of their squares, in float32, times the scale's
-        reciprocal). On a step skipped for its gradients it is inf (NaN entries too):
-        the norm of what arrived. It is inf, too, where the squares of the *scaled*
-        gradients overflow float32 (above ~1.8e19 in total norm). With ``axis_name`` it
-        is the same on every replica: shards of a leaf split over the axes (under
-        ``shard_map``) add their squares; replicated gradients count once. 0 before the
-        first step.
+        (PyTorch's ``clip_grad_norm_`` value), from the same read as the finite test. inf
+        on a step skipped for its gradients, and where the squares of the *scaled*
+        gradients overflow float32 (a total norm above ~1.8e19). With ``axis_name``, the
+        same on every replica (shards of a split leaf add up). 0 before the first step.
       replays: int32, batches recomputed at a backed-off scale in total (saturating): each
         replay is one more forward and backward pass inside the step
         (``max_replays``, docs/replay.md). A replayed step that ends finite is applied.
@@ -79,7 +76,7 @@ class LossScalingState(NamedTuple):
     inner_state: optax.OptState
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
-    last_step_finite: jax.Array
+    last_step_applied: jax.Array
     nonfinite_loss_steps: jax.Array
     nonfinite_grads: jax.Array
     failure: jax.Array
@@ -89,6 +86,11 @@ class LossScalingState(NamedTuple):
     grad_norm: jax.Array
     replays: jax.Array
     last_step_replays: jax.Array
+
+    @property
+    def last_step_finite(self) -> jax.Array:
+        """The old name of :attr:`last_step_applied` (kept while callers move)."""
+        return self.last_step_applied
 
 
 class UnderflowStats(NamedTuple):
@@ -160,7 +162,7 @@ class WrapperOptions(NamedTuple):
     inner: optax.GradientTransformationExtraArgs
     axis_name: AxisName
     skip: SkipMode
-    on_failure: scalers.OnFailure
+    on_failure: OnFailure
     max_consecutive_skips: int | None
     nonfinite_loss: NonFiniteLoss
     underflow_diagnostics: bool
@@ -176,7 +178,7 @@ def initial_state(scaler: LossScale, inner_state: Any, n_grads: int,
         inner_state=inner_state,
         skipped_steps=jnp.zeros((), jnp.int32),
         consecutive_skips=jnp.zeros((), jnp.int32),
-        last_step_finite=jnp.ones((), jnp.bool_),
+        last_step_applied=jnp.ones((), jnp.bool_),
         nonfinite_loss_steps=jnp.zeros((), jnp.int32),
         nonfinite_grads=jnp.zeros((n_grads,), jnp.bool_),
         failure=jnp.zeros((), jnp.int32),
@@ -211,7 +213,7 @@ def _has_zero(dtype: Any) -> bool:
 
 def _refuse_dtypes_without_zero(params: Any) -> None:
     """Host side, at ``init``: float params in a dtype without a zero cannot be skipped."""
-    for name, leaf in zip(leaf_names(params), jax.tree.leaves(params), strict=True):
+    for name, leaf in zip(key_path_names(params), jax.tree.leaves(params), strict=True):
         dtype = getattr(leaf, "dtype", None)
         if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and not _has_zero(dtype):
             raise TypeError(NO_ZERO_PARAMS.format(leaf=name, dtype=jnp.dtype(dtype).name))
@@ -228,7 +230,7 @@ def _warn_low_precision_state(params: Any, inner_state: Any) -> None:
     def shown(names: list[str]) -> str:
         return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
-    named = list(zip(leaf_names(params), jax.tree.leaves(params), strict=True))
+    named = list(zip(key_path_names(params), jax.tree.leaves(params), strict=True))
     names = [name for name, leaf in named if narrow(leaf)]
     if names and any(narrow(leaf) for leaf in jax.tree.leaves(inner_state)):
         dtype = next(leaf.dtype for leaf in jax.tree.leaves(params) if narrow(leaf))
@@ -245,10 +247,10 @@ def _warn_low_precision_state(params: Any, inner_state: Any) -> None:
                           _errors.LossScaleWarning, stacklevel=3)
 
 
-def failure_message(state: LossScalingState, names: list[str] | None = None) -> str:
+def wrapper_failure_message(state: LossScalingState, names: list[str] | None = None) -> str:
     """The host-side message for a failed wrapper state (concrete, one replica).
 
-    ``names`` names the gradient leaves (:func:`leaf_names` of the params or gradients);
+    ``names`` names the gradient leaves (:func:`key_path_names` of the params or gradients);
     without them, leaves are named by their index in ``jax.tree.leaves`` order.
     """
     code = Failure(int(np.asarray(state.failure)))
@@ -263,11 +265,11 @@ def failure_message(state: LossScalingState, names: list[str] | None = None) -> 
         return _errors.nonfinite_loss_message(state.failure_skips,
                                               jnp.asarray(state.scaler.loss_scale))
     if code == Failure.BACKOFF_UNDERFLOW:
-        return scalers.failure_message(state.scaler)  # type: ignore[arg-type]
+        return scaler_failure_message(state.scaler)  # type: ignore[arg-type]
     return _errors.invalid_scale_message(jnp.asarray(state.scaler.loss_scale))
 
 
-def leaf_names(tree: Any) -> list[str]:
+def key_path_names(tree: Any) -> list[str]:
     """Dotted key paths of the leaves (``"encoder.layers.0.w"``), made unique."""
     names: list[str] = []
     for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -276,104 +278,3 @@ def leaf_names(tree: Any) -> list[str]:
             name += "_"
         names.append(name)
     return names
-
-
-# ------------------------------------------------------------- where a wrapper state sits
-
-WRAPPER_INSIDE_MULTISTEPS = (
-    "This optimizer state holds `ls.with_loss_scaling(...)` inside `optax.MultiSteps` "
-    "({where}): that order trains nothing after the first overflow "
-    "(MultiSteps resets its accumulator as (1 - emit) * acc, and 0 * inf is NaN, so every "
-    "later window is skipped too). Put the wrapper around the accumulation: "
-    "`ls.with_loss_scaling(optax.MultiSteps(inner, every_k_schedule=k))`, which unscales "
-    "and checks each micro batch on its own (see docs/optax_wrapper.md, "
-    "\"Gradient accumulation\")."
-)
-
-
-def wrapper_states_in(opt_state: Any) -> list[tuple[str, LossScalingState]]:
-    """Every wrapper state inside an optax state, with its key path (``path_str``)."""
-    # optax matches a NamedTuple by its class name; the isinstance filter rules out
-    # any other class that happens to share the name.
-    found = optax.tree_utils.tree_get_all_with_path(
-        opt_state, LossScalingState.__name__,
-        filtering=lambda _, value: isinstance(value, LossScalingState))
-    return [(path_str(path), value) for path, value in found]
-
-
-def refuse_wrapper_inside_multisteps(opt_state: Any) -> None:
-    """Raises ``ValueError`` if a wrapper state sits inside an ``optax.MultiStepsState``."""
-    if not _multisteps_around_a_wrapper(opt_state):
-        return
-    found = optax.tree_utils.tree_get_all_with_path(
-        opt_state, optax.MultiStepsState.__name__,
-        filtering=lambda _, value: isinstance(value, optax.MultiStepsState))
-    for path, state in found:
-        if wrapper_states_in(state.inner_opt_state):
-            where = path_str(path)
-            raise ValueError(WRAPPER_INSIDE_MULTISTEPS.format(
-                where=f"the MultiStepsState at path {where!r}" if where
-                else "the MultiStepsState is the whole state"))
-
-
-def _multisteps_around_a_wrapper(tree: Any) -> bool:
-    """The common answer, no, without key paths: it stops at the outermost states (an
-    eager `ls.value_and_grad` pays this on every call, 7 ms for 1,000 leaves with paths)."""
-    def is_wrapper(x: Any) -> bool:
-        return isinstance(x, LossScalingState)
-
-    for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(
-            x, (optax.MultiStepsState, LossScalingState))):
-        if isinstance(x, optax.MultiStepsState):
-            if any(map(is_wrapper, jax.tree.leaves(x.inner_opt_state, is_leaf=is_wrapper))):
-                return True
-            inner = x.inner_opt_state
-        elif is_wrapper(x):
-            inner = x.inner_state
-        else:
-            continue
-        if _multisteps_around_a_wrapper(inner):
-            return True
-    return False
-
-
-def path_str(path: tuple[Any, ...]) -> str:
-    """A key path as Python would index it, e.g. ``.inner_states['x'].inner_state``."""
-    parts = []
-    for key in path:
-        if isinstance(key, (optax.tree_utils.NamedTupleKey, jax.tree_util.GetAttrKey)):
-            parts.append(f".{key.name}")
-        elif isinstance(key, jax.tree_util.DictKey):
-            parts.append(f"[{key.key!r}]")
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(f"[{key.idx}]")
-        else:
-            parts.append(jax.tree_util.keystr((key,)))
-    return "".join(parts)
-
-
-NOT_A_WRAPPER_STATE = (
-    "{call}: opt_state must be the state that `tx.init(params)` returned for this "
-    "`ls.with_loss_scaling(...)` transformation (a LossScalingState), got {what}. {hint}"
-)
-
-
-def refuse_other_state(opt_state: Any, call: str) -> None:
-    """A ``TypeError`` naming ``opt_state`` and the fix when it is not the wrapper's state
-    (the loss scale itself, a TrainState, params in its place): read as given, a field
-    missing deep inside the step would be all the user saw."""
-    if isinstance(opt_state, LossScalingState):
-        return
-    if isinstance(opt_state, SCALER_TYPES):
-        hint = ("That is the loss scale: pass the optimizer state that holds it "
-                "(`ls.get_loss_scale(opt_state)` reads the scale out of it).")
-    elif held := wrapper_states_in(opt_state):
-        hint = (f"It holds one at {held[0][0]!r}: pass the transformation whose state it "
-                "is as `tx` (e.g. the optax.chain around the wrapper), or that part as "
-                "opt_state. For a TrainState call `state.apply_gradients(grads=grads)`; "
-                "for an nnx Optimizer `optimizer.update(model, grads)`.")
-    else:
-        hint = ("Are the arguments in order? `tx.update(grads, opt_state, params)`, "
-                "`ls.apply_gradients(tx, grads, opt_state, params)`.")
-    raise TypeError(NOT_A_WRAPPER_STATE.format(call=call, what=_errors.describe(opt_state),
-                                               hint=hint))

@@ -1,35 +1,37 @@
-"""The Optax wrapper: unscale, test, skip or step, then update the loss scale.
+"""The Optax wrapper and its one guarded step, in the order it runs.
 
-``with_loss_scaling(inner, scaler)`` takes the gradients of the *scaled* loss. One update:
+``with_loss_scaling(inner, scaler)`` returns a transformation whose ``update`` takes the
+gradients of the *scaled* loss; :func:`apply_gradients` finds the same step through
+``tx.update.options`` (the :class:`WrapperOptions` set on the update function, so a
+transformation rebuilt around ``tx.init`` / ``tx.update`` keeps it) and runs it fused,
+``apply_updates`` under the skip decision. Both call :func:`guarded_step`:
 
-1. ``apply``: the state is healthy (no recorded failure, a positive normal scale) and,
-   per gradient leaf, every unscaled element is finite, read from the raw gradients in
-   one fused reduction per leaf (the unscaled tree is never materialized for the test);
-   AND-reduced over ``axis_name`` when given. With ``loss=...``, the loss must be finite
-   too; a ``grad=`` extra argument is checked (and unscaled) like the gradients.
-2. If ``apply``, unscale and run the inner update (so clipping in the inner chain sees
-   true gradients). If not, skip it: the inner state is returned untouched and the
-   updates are ``-0.0`` (``p + -0.0 == p`` bit for bit, ``-0.0`` params included).
-3. Update the loss scale, the counters and the per-leaf diagnostics, always. A failure
-   (a backoff out of the float32 range, ``max_consecutive_skips``, an invalid scale) is
-   recorded in the state, sticky: every later step is skipped, and
-   :func:`loss_scaling.check` raises it on the host. No host callback on the step.
-
-The fused :func:`apply_gradients` puts the inner update *and* ``apply_updates`` under
-one skip decision, so the updates tree never leaves it: the cheapest path (see the
-README's benchmark table).
+1. :func:`decide`: one read of the raw gradients (:func:`~loss_scaling.core.numerics.
+   finite_leaves`: the finite flag per leaf, the norm, for ``growth="headroom"`` the max),
+   the ``loss=`` and the state's health; the scale's validity checked once.
+2. Replay, only with ``max_replays`` (:mod:`loss_scaling.wrapper.replay`, one call).
+3. Under one ``lax.cond`` (or a select): unscale, the inner update and, fused,
+   ``apply_updates`` (:func:`_inner_step`). A skip returns the inner state untouched and
+   ``-0.0`` updates (``p + -0.0 == p`` bit for bit) or, fused, the params themselves.
+4. :func:`_next_state`, always, last: the scaler's next state (the rule in
+   :mod:`loss_scaling.core.update`), the counters, the failure register.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Literal, NamedTuple
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
+from jax import lax
 
 from loss_scaling import _errors
-from loss_scaling.core import update as scalers
-from loss_scaling.core import validation
-from loss_scaling.core.numerics import AxisName
+from loss_scaling._errors import Failure
+from loss_scaling.core import numerics, validation
+from loss_scaling.core.numerics import AxisName, finite_leaves, skip_cond
 from loss_scaling.core.scalers import (
     SCALER_TYPES,
     DynamicLossScale,
@@ -37,23 +39,36 @@ from loss_scaling.core.scalers import (
     NoOpLossScale,
     require_scaler,
 )
-from loss_scaling.wrapper import provenance
-from loss_scaling.wrapper.placement import refuse_misplaced_wrapper
+from loss_scaling.core.update import (
+    OnFailure,
+    is_positive_normal,
+    records_max,
+    resolve_on_failure,
+    step_recorded,
+)
+from loss_scaling.wrapper import provenance, replay
+from loss_scaling.wrapper.placement import refuse_not_outermost, wrapper_states_in
 from loss_scaling.wrapper.state import (
+    _BELOW_F16_TINY,
+    CONSUMED_EXTRA_ARGS,
+    GRADIENT_EXTRA_ARGS,
     MAX_NONFINITE_LOSSES,
     MAX_REPLAYS,
+    REPLAY_EXTRA_ARG,
     LossScalingState,
     NonFiniteLoss,
     SkipMode,
+    UnderflowStats,
     WrapperOptions,
+    _count,
     _fresh,
     _refuse_dtypes_without_zero,
     _warn_low_precision_state,
     gradient_leaf_count,
     initial_state,
-    refuse_other_state,
+    key_path_names,
+    wrapper_failure_message,
 )
-from loss_scaling.wrapper.step import guarded_step
 
 __all__ = ["LossScalingTransformation", "apply_gradients", "with_loss_scaling"]
 
@@ -79,7 +94,7 @@ def with_loss_scaling(
     *,
     axis_name: AxisName = None,
     skip: SkipMode = "auto",
-    on_failure: scalers.OnFailure = "record",
+    on_failure: OnFailure = "record",
     max_consecutive_skips: int | None = None,
     nonfinite_loss: NonFiniteLoss = "backoff",
     underflow_diagnostics: bool = False,
@@ -91,84 +106,55 @@ def with_loss_scaling(
     Each update unscales the gradients by the factor that scaled this step's loss, checks
     them, runs ``inner`` only if every unscaled element is finite, and then updates the
     loss scale. A skipped step leaves the inner state bit-identical and returns ``-0.0``
-    updates, so ``optax.apply_updates`` leaves every parameter bit-identical too. It never
-    gives up and applies a non-finite update, however many steps in a row are skipped.
+    updates (``p + -0.0 == p`` bit for bit). It never gives up and applies a non-finite
+    update, however many steps in a row are skipped.
 
-    Failures are fail-closed and cost nothing on healthy steps: a backoff below the normal
-    float32 range (without ``min_scale``), ``max_consecutive_skips`` reached, or a scale
-    that is not a positive normal float32 (an unvalidated restore) is recorded in the
-    state; from then on every step is skipped (params and inner state bit-identical, the
-    scale at its last valid value, the counters counting), and
-    :func:`loss_scaling.check` raises :class:`loss_scaling.LossScaleError` with the full
-    message on the host. Call it where you log. An eager (un-jitted) update raises at once.
+    A failure (a backoff below the normal float32 range without ``min_scale``,
+    ``max_consecutive_skips`` or ``max_nonfinite_losses`` reached, a scale that is not a
+    positive normal float32) is recorded in the state: every later step is skipped, and
+    :func:`loss_scaling.check` raises :class:`loss_scaling.LossScaleError` on the host
+    (call it where you log). An eager (un-jitted) update raises at once.
 
     Args:
-      inner: the optimizer to wrap (any optax transformation; extra arguments given to
-        ``update`` are forwarded to it, except ``loss=``, the wrapper's own: it is checked
-        and not forwarded, since optax's line searches, ``optax.lbfgs`` and
-        ``optax.contrib.sam`` refuse arguments they do not know; give an inner optimizer
-        the loss as ``value=``). ``grad=`` (as ``optax.lbfgs`` takes it) holds gradients
-        of the scaled loss too: it is unscaled and checked like them. Others (``value=``,
-        ``value_fn=``, ...) pass through untouched: give them unscaled.
+      inner: the optimizer to wrap (any optax transformation). Extra arguments of
+        ``update`` are forwarded to it, except ``loss=`` (checked, not forwarded: optax's
+        line searches and ``optax.contrib.sam`` refuse unknown arguments; give the inner
+        optimizer the loss as ``value=``). ``grad=`` (``optax.lbfgs``) holds gradients of
+        the scaled loss: unscaled and checked like them. Others pass through untouched.
       scaler: the initial loss-scale state; ``DynamicLossScale()`` by default.
       axis_name: inside ``pmap`` / ``shard_map``, the axis name (or names) over which the
         finite flags are AND-reduced so that every replica skips together.
-      skip: how a skipped step is implemented: ``"cond"`` (a ``lax.cond`` around the
-        inner update), ``"select"`` (compute, then select), or ``"auto"`` (the one
-        measured faster for the path and backend, see the performance guide).
-      on_failure: ``"record"`` (the default: the failure is state, raised on the host by
-        :func:`loss_scaling.check`) or ``"raise"``: also raise at once, from a host
-        callback compiled into the step (under ``jit``, JAX raises it as a
-        ``jax.errors.JaxRuntimeError`` whose text holds ``LossScaleError: ...``).
-        Debugging only: any executable holding a callback leaves JAX's fast dispatch
-        path (every step pays about 1 ms of host time), and a raise inside a donated step
-        deletes the donated params and state.
-      max_consecutive_skips: optional guard for runs that cannot recover: after this many
-        consecutive skipped steps the run fails (as above) with the count, the scale and
-        the non-finite gradient leaves, instead of skipping forever. ``None`` (the
-        default) adds nothing to the step.
-      nonfinite_loss: what a non-finite ``loss`` passed to ``update(..., loss=loss)`` does.
-        It is not an overflow of the scaled gradients (the forward pass itself produced
-        inf/NaN), so ``"skip"`` skips the step and leaves the loss scale untouched, while
-        ``"backoff"`` (the default) treats it like a gradient overflow. Either way it is
-        counted in ``nonfinite_loss_steps``.
-      underflow_diagnostics: opt in to per-step underflow statistics
-        (:class:`UnderflowStats`, read through :func:`loss_scaling.metrics`): per gradient
-        leaf and overall, the fraction of entries that are exactly zero and the fraction
-        that are nonzero but below float16's smallest normal once unscaled. They tell
-        whether a model needs a larger scale (or none), and which layers underflow. One
-        fused reduction over the gradients; ``False`` (the default) compiles nothing.
-      max_replays: replay (docs/replay.md): with a ``DynamicLossScale``, a batch whose
-        gradients overflow is recomputed at once at the backed-off scale (hysteresis
-        ignored), inside the same compiled step, up to this many times, and applied; it
-        is skipped only when its loss is not finite, the replays are used up, or the
-        scale cannot go lower. The update then needs the loss as a function of the
-        params, ``value_fn=lambda params: loss_fn(params, batch)`` (unscaled), also
-        forwarded to an inner update that takes it (optax's line searches). Counted in
-        ``metrics(...)["replays"]``. An integer in [0, 64]; 0 (the default) is off and
-        compiles nothing. ``StaticLossScale`` and ``NoOpLossScale`` cannot back off:
-        their steps are skipped as without it.
-      max_nonfinite_losses: a forward pass that keeps failing ends the run, named: when
-        the ``loss=`` given to the update is not finite on the
-        ``max_nonfinite_losses``-th skipped step in a row (or a later one), the run fails
-        closed (``Failure.NONFINITE_LOSS``: every later step skipped, and
-        :func:`loss_scaling.check` raises a :class:`loss_scaling.LossScaleError` that
-        names the non-finite loss and points to :func:`loss_scaling.find_overflow`),
-        instead of backing off to the float32 floor (~141 backoffs) or skipping forever.
-        A positive integer, 16 by default (16 backoffs take the default scale from 2**15
-        to 0.5); ``None`` turns it off. Compiled only into steps given a ``loss=``.
+      skip: ``"cond"`` (a ``lax.cond`` around the inner update), ``"select"`` (compute,
+        then select) or ``"auto"`` (the one measured faster for the path and backend).
+      on_failure: ``"record"`` (the default) or ``"raise"``: also raise at once from a
+        host callback compiled into the step. Debugging only: the callback leaves JAX's
+        fast dispatch path (~1 ms a step) and a raise in a donated step deletes its inputs.
+      max_consecutive_skips: after this many consecutive skipped steps the run fails,
+        naming the non-finite gradient leaves. ``None`` (the default) compiles nothing.
+      nonfinite_loss: a non-finite ``loss=``: ``"backoff"`` (the default) treats it as a
+        gradient overflow; ``"skip"`` skips the step and leaves the scale as it is. Either
+        way it is counted in ``nonfinite_loss_steps``.
+      underflow_diagnostics: per-step fractions of zero and of tiny (below float16's
+        smallest normal once unscaled) gradient entries, per leaf and overall
+        (:class:`UnderflowStats`, in :func:`loss_scaling.metrics`). One more read.
+      max_replays: with a ``DynamicLossScale``, an overflowed batch is recomputed at the
+        backed-off scale inside the same step, up to this many times (docs/replay.md);
+        the update then needs ``value_fn=lambda params: loss_fn(params, batch)``
+        (unscaled). An integer in [0, 64]; 0 (the default) compiles nothing.
+      max_nonfinite_losses: the run fails (``Failure.NONFINITE_LOSS``) when the ``loss=``
+        is not finite on this many skipped steps in a row: the forward pass keeps
+        failing, which no scale fixes. 16 by default; ``None`` turns it off. Compiled only
+        into steps given a ``loss=``.
 
     Returns:
       A :class:`LossScalingTransformation` (an ``optax.GradientTransformationExtraArgs``).
 
     Raises:
-      ValueError: for an unknown ``skip``, ``on_failure`` or ``nonfinite_loss``, a
-        ``max_consecutive_skips`` or ``max_nonfinite_losses`` that is not a positive
-        integer, a ``max_replays`` outside [0, 64], or an ``underflow_diagnostics`` that
-        is not a bool; from ``update``, with replay on and no ``value_fn=``.
+      ValueError: for an invalid option; from ``update``, with replay on and no
+        ``value_fn=``.
       TypeError: if ``inner`` is not an optax transformation or ``scaler`` not a
-        loss-scale state; from ``init``, if a params leaf
-        has a dtype without a zero (``float8_e8m0fnu``), which no skipped step can keep.
+        loss-scale state; from ``init``, for a params dtype without a zero
+        (``float8_e8m0fnu``), which no skipped step can keep.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -189,7 +175,7 @@ def with_loss_scaling(
       >>> ls.check(opt_state)    # healthy: returns None
     """
     _refuse_other_inner(inner)
-    on_failure = scalers.resolve_on_failure(on_failure)
+    on_failure = resolve_on_failure(on_failure)
     if skip not in ("auto", "cond", "select"):
         raise ValueError(f"skip must be 'auto', 'cond' or 'select', got {skip!r}.")
     if nonfinite_loss not in ("backoff", "skip"):
@@ -293,9 +279,315 @@ def apply_gradients(
         return guarded_step(options, grads, opt_state, params, extra_args, fused=True)
     if isinstance(opt_state, LossScalingState):
         raise TypeError(NOT_THE_WRAPPER.format(what=_errors.describe(tx)))
-    refuse_misplaced_wrapper(opt_state)
+    refuse_not_outermost(opt_state)
     updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     return optax.apply_updates(params, updates), opt_state
+
+
+# ---------------------------------------------------------------- the guarded step
+
+
+def guarded_step(options: WrapperOptions, grads: Any, state: LossScalingState, params: Any,
+                 extra_args: dict[str, Any], *, fused: bool) -> tuple[Any, LossScalingState]:
+    """The one step of both paths: decide, then step or skip, then the next state.
+
+    ``fused=False`` (``update``) returns ``(updates, state)``, a skip's updates ``-0.0``;
+    ``fused=True`` (:func:`~loss_scaling.apply_gradients`) puts ``apply_updates`` under the
+    decision too and returns ``(params, state)``, a skip's params the given ones.
+    """
+    decision = decide(options, grads, state, extra_args)
+    mode = _resolve_skip(options.skip, fused)
+    if replay.enabled(options, state):  # the batch recomputed while it overflows
+        decision, scaler, extra_args = replay.replay(options, state, params, extra_args,
+                                                     decision, decide)
+        state, grads = state._replace(scaler=scaler), decision.grads
+    step = functools.partial(_inner_step, options, decision.inverse, extra_args, fused)
+
+    operands = (grads, state.inner_state, params)
+    if mode == "select":
+        stepped, stepped_inner = step(operands)
+        skipped = params if fused else optax.tree.full_like(stepped, -0.0)
+        out = optax.tree.where(decision.apply, stepped, skipped)
+        new_inner = optax.tree.where(decision.apply, stepped_inner, state.inner_state)
+    elif fused:  # operands passed: XLA reuses the donated buffers
+        out, new_inner = skip_cond(decision.apply, step, lambda ops: (ops[2], ops[1]),
+                                    operands)
+    else:
+        # The branches close over their inputs (operand None), as optax.apply_if_finite
+        # does (measured cheaper). The skip's -0.0 take the updates' types from the step
+        # branch, which lax.cond traces first (jax.eval_shape, a second trace, if not).
+        types: list[Any] = []
+        def stepped(_: Any) -> Any:
+            types.append(jax.eval_shape(lambda x: x, (result := step(operands))[0]))
+            return result
+
+        def skip(_: Any) -> Any:
+            shapes = types[-1] if types else jax.eval_shape(step, operands)[0]
+            return optax.tree.full_like(shapes, -0.0), state.inner_state
+        out, new_inner = skip_cond(decision.apply, stepped, skip, None)
+    return out, _next_state(options, state, new_inner, decision,
+                            extra_args.get("loss") is not None)
+
+
+class StepDecision(NamedTuple):
+    """What :func:`decide` read from one step's gradients and state, before the step."""
+
+    apply: jax.Array  # run the inner step
+    healthy: jax.Array  # no recorded failure and a usable scale
+    valid_scale: jax.Array  # the scale is a positive normal float32 (checked once a step)
+    grads_finite: jax.Array
+    loss_finite: jax.Array
+    leaf_finite: jax.Array  # one flag per gradient leaf
+    grads: Any  # the scaled gradients (their leaves' names, the underflow statistics)
+    inverse: numerics.Reciprocal | None  # the scale's reciprocal, computed once per step
+    grad_norm: jax.Array  # float32 global norm of the unscaled gradients
+    replays: jax.Array  # int32: how often this step's batch was recomputed (wrapper/replay.py)
+    # max |entry| of the SCALED gradients (float32, agreed over replicas), read by the
+    # same pass as the finite screen; only for growth="headroom", else None
+    grads_max: jax.Array | None = None
+
+
+def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
+           extra_args: dict) -> StepDecision:
+    n_leaves = len(jax.tree.leaves(grads))
+    if state.nonfinite_grads.shape[-1:] != (n_leaves,):
+        raise ValueError(
+            f"the gradients have {n_leaves} leaves but this optimizer state was initialised "
+            f"for {state.nonfinite_grads.shape[-1]} (with_loss_scaling sizes its per-leaf "
+            "diagnostics from the params given to `init`): pass gradients with the structure "
+            "of the params the state was initialised with.")
+    inverse = _reciprocal(state.scaler)
+    scaler = state.scaler
+    measure = (records_max(scaler) if isinstance(scaler, DynamicLossScale)
+               and scaler.growth == "headroom" else None)
+    leaf_finite, grads_finite, squares, grads_max = finite_leaves(
+        grads, inverse, options.axis_name, measure)
+    grad_norm = jnp.sqrt(squares)
+    if inverse is not None:  # unscaled: by the reciprocal's two exact factors
+        grad_norm = (grad_norm * inverse.lifted) * inverse.unlift
+    for name in GRADIENT_EXTRA_ARGS:
+        if extra_args.get(name) is not None:
+            grads_finite &= numerics.unscaled_finite_leaves(extra_args[name], inverse,
+                                                        options.axis_name)[1]
+    loss = extra_args.get("loss")
+    loss_finite = jnp.asarray(True)
+    if loss is not None:
+        loss_finite = jnp.isfinite(jnp.asarray(loss)).all()
+        if options.axis_name is not None:
+            loss_finite = lax.pmin(loss_finite.astype(jnp.int32), options.axis_name) == 1
+    healthy = state.failure == Failure.NONE
+    if isinstance(state.scaler, DynamicLossScale):  # a failed scaler restored into a fresh
+        healthy &= state.scaler.failure == Failure.NONE  # state: its own register counts
+    valid_scale = jnp.asarray(True)
+    if inverse is not None:
+        valid_scale = is_positive_normal(state.scaler.loss_scale)
+    healthy &= valid_scale
+    return StepDecision(healthy & grads_finite & loss_finite, healthy, valid_scale,
+                        grads_finite, loss_finite, leaf_finite, grads, inverse, grad_norm,
+                        jnp.zeros((), jnp.int32), grads_max)
+
+
+def _reciprocal(scaler: LossScale) -> numerics.Reciprocal | None:
+    """The scaler's reciprocal; ``None`` for ``NoOpLossScale``, which compiles to nothing."""
+    return None if isinstance(scaler, NoOpLossScale) else numerics.reciprocal(scaler.loss_scale)
+
+
+def _inner_step(options: WrapperOptions, inverse: numerics.Reciprocal | None,
+                extra_args: dict[str, Any], fused: bool, operands: Any) -> Any:
+    """The taken branch: unscale, the inner update and, fused, ``apply_updates``."""
+    grads, inner_state, params = operands
+    unscaled = numerics.unscale_tree(grads, inverse)
+    extra = _inner_extra_args(options, extra_args, inverse)
+    try:
+        updates, new_inner = options.inner.update(unscaled, inner_state, params, **extra)
+    except TypeError as error:  # replay's value_fn, refused inside a chain (sam)
+        if not replay.refuses_value_fn(options, extra, error):
+            raise
+        del extra[REPLAY_EXTRA_ARG]
+        updates, new_inner = options.inner.update(unscaled, inner_state, params, **extra)
+    out = optax.apply_updates(params, updates) if fused else updates
+    return out, _in_dtypes_of(new_inner, inner_state)
+
+
+def _inner_extra_args(options: WrapperOptions, extra_args: dict[str, Any],
+                      inverse: numerics.Reciprocal | None) -> dict[str, Any]:
+    """The extra arguments for the inner update: ``grad=`` unscaled, ``loss=`` consumed;
+    with replay on, ``value_fn=`` (the wrapper's) only for an inner update that takes it."""
+    consumed: tuple[str, ...] = CONSUMED_EXTRA_ARGS
+    if options.max_replays and not replay.inner_takes_value_fn(options.inner):
+        consumed += (REPLAY_EXTRA_ARG,)
+    return {name: numerics.unscale_tree(value, inverse) if name in GRADIENT_EXTRA_ARGS else value
+            for name, value in extra_args.items() if name not in consumed}
+
+
+def _resolve_skip(skip: SkipMode, fused: bool) -> Literal["cond", "select"]:
+    if skip != "auto":
+        return skip
+    # Measured in benchmarks/overhead.py (see docs/performance.md): the fused step is
+    # cheapest as a conditional everywhere. The plain step must hand its updates out of
+    # the decision; on GPU a select of them fused better than a conditional.
+    if fused or jax.default_backend() == "cpu":
+        return "cond"
+    return "select"
+
+
+def _in_dtypes_of(new_state: Any, old_state: Any) -> Any:
+    """The inner state in the dtypes it came in, so that a skip can return the old one.
+
+    Only integer params change anything: optax's moments for an int32 param start as int32
+    and come back float32 (optax lets the dtype drift, which retraces a jitted step).
+    """
+    # A Python scalar in the state (optax accepts any pytree, e.g. {"foo": 1}) has no
+    # dtype: it is held as the array the conditional makes of it.
+    return optax.tree.cast_like(jax.tree.map(jnp.asarray, new_state),
+                                jax.tree.map(jnp.asarray, old_state))
+
+
+def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: Any,
+                decision: StepDecision, loss_given: bool) -> LossScalingState:
+    applied = decision.apply
+    if options.nonfinite_loss == "skip":
+        # The forward pass, not the scale, made the loss non-finite: leave the scale be.
+        # Eagerly too: a backoff discarded here must not raise (as under jit).
+        stepped_scaler = _stepped_scaler(state.scaler, decision.grads_finite,
+                                         decision.grads_max, decision.valid_scale)
+        stepped_scaler = optax.tree.where(decision.loss_finite, stepped_scaler, state.scaler)
+    else:
+        stepped_scaler = _stepped_scaler(state.scaler,
+                                         decision.grads_finite & decision.loss_finite,
+                                         decision.grads_max, decision.valid_scale)
+    if replay.enabled(options, state):
+        stepped_scaler = replay.no_growth_after(decision.replays, state.scaler, stepped_scaler)
+    consecutive_skips = _count(state.consecutive_skips, applied, reset=True)
+
+    failure, fails, new_scaler = _next_failure(options, state, stepped_scaler,
+                                               consecutive_skips, decision, loss_given)
+
+    # Growths since the last overflow (the mis-use detector), and the underflow statistics.
+    grew = jnp.asarray(new_scaler.loss_scale) > jnp.asarray(state.scaler.loss_scale)
+    clean_growths = jnp.where(decision.grads_finite & (decision.replays == 0),
+                              state.clean_growths + grew.astype(jnp.int32), 0)
+    underflow = None
+    if state.underflow is not None:  # non-finite gradients have no fractions: keep the last
+        underflow = optax.tree.where(decision.grads_finite,
+                                     _underflow_stats(decision.grads, decision.inverse),
+                                     state.underflow)
+    # Flags of the last step skipped for its gradients; frozen once the run has failed.
+    keep_flags = applied | ~decision.healthy | decision.grads_finite
+    new_state = LossScalingState(
+        scaler=new_scaler,
+        inner_state=inner_state,
+        skipped_steps=_count(state.skipped_steps, applied, reset=False),
+        consecutive_skips=consecutive_skips,
+        last_step_applied=applied,
+        nonfinite_loss_steps=_count(state.nonfinite_loss_steps, decision.loss_finite,
+                                    reset=False),
+        nonfinite_grads=jnp.where(keep_flags, state.nonfinite_grads, ~decision.leaf_finite),
+        failure=failure,
+        failure_skips=jnp.where(fails, consecutive_skips, state.failure_skips),
+        clean_growths=clean_growths,
+        underflow=underflow,
+        grad_norm=decision.grad_norm,
+        replays=(replay.saturating_add(state.replays, decision.replays)
+                 if replay.enabled(options, state) else state.replays),
+        last_step_replays=decision.replays,
+    )
+    _report(options, new_state, fails, key_path_names(decision.grads))
+    return new_state
+
+
+def _stepped_scaler(scaler: LossScale, finite: jax.Array, grads_max: jax.Array | None,
+                    valid: jax.Array) -> LossScale:
+    """The scaler's next state, a failure recorded but never raised (eager included).
+
+    The wrapper decides afterwards whether that step counts (``nonfinite_loss="skip"``
+    discards it on a non-finite loss) and raises an eager failure itself (:func:`_report`).
+    ``grads_max``: the scaled gradients' max |entry|, for ``growth="headroom"``;
+    ``valid``: the scale's validity, checked once in :func:`decide`.
+    """
+    if isinstance(scaler, DynamicLossScale):
+        return step_recorded(scaler, finite, grads_max=grads_max, valid=valid)
+    return scaler
+
+
+def _next_failure(options: WrapperOptions, state: LossScalingState, stepped_scaler: LossScale,
+                  consecutive_skips: jax.Array, decision: StepDecision,
+                  loss_given: bool) -> tuple[jax.Array, jax.Array, LossScale]:
+    """The failure code after this step, whether it is new, and the scaler to keep.
+
+    The first failure wins and is kept; the scaler is frozen from then on. One register:
+    the wrapper's code is also written into a dynamic scaler's own ``failure``, so that
+    ``ls.check(scaler)`` and the scaler's state dict carry a ``TOO_MANY_SKIPS`` too (a
+    restore of that JSON does not heal the run). ``NONFINITE_LOSS`` (a loss still
+    non-finite on the ``max_nonfinite_losses``-th skip in a row) is compiled only into
+    steps given a ``loss=``.
+    """
+    failed_before = state.failure != Failure.NONE
+    failure = getattr(stepped_scaler, "failure", jnp.int32(Failure.NONE))
+    failure = jnp.where(decision.valid_scale, failure, Failure.INVALID_SCALE)
+    if options.max_consecutive_skips is not None:
+        failure = jnp.where(
+            (failure == Failure.NONE) & (consecutive_skips >= options.max_consecutive_skips),
+            Failure.TOO_MANY_SKIPS, failure)
+    if loss_given and options.max_nonfinite_losses is not None:  # only with a loss=
+        loss_fails = ~decision.loss_finite & (consecutive_skips
+                                              >= options.max_nonfinite_losses)
+        failure = jnp.where((failure == Failure.NONE) & loss_fails, Failure.NONFINITE_LOSS,
+                            failure)
+    failure = jnp.where(failed_before, state.failure, failure).astype(jnp.int32)
+    fails = ~failed_before & (failure != Failure.NONE)
+    new_scaler = optax.tree.where(failed_before, state.scaler, stepped_scaler)
+    if isinstance(new_scaler, DynamicLossScale):
+        new_scaler = new_scaler._replace(failure=jnp.where(
+            new_scaler.failure == Failure.NONE, failure, new_scaler.failure))
+    return failure, fails, new_scaler
+
+
+def _report(options: WrapperOptions, state: LossScalingState, fails: jax.Array,
+            names: list[str]) -> None:
+    """Eagerly, raises a failure at once; under ``jit``, only with ``on_failure="raise"``."""
+    values = jax.tree.leaves(state)
+    if not any(isinstance(x, jax.core.Tracer) for x in values):
+        if np.any(np.asarray(state.failure)):
+            raise _errors.LossScaleError(wrapper_failure_message(state, names))
+        return
+    if options.on_failure == "raise":
+        treedef = jax.tree.structure(state)
+        _errors.raise_in_graph(
+            fails,
+            lambda *leaves: wrapper_failure_message(jax.tree.unflatten(treedef, leaves), names),
+            *values)
+
+
+def _underflow_stats(grads: Any, inverse: numerics.Reciprocal | None) -> UnderflowStats:
+    """Per leaf: the fractions of exact zeros (in the scaled gradients, as the backward pass
+    left them), and of nonzero entries below float16's smallest normal once unscaled (in
+    float32): one more read of the gradients, opt-in."""
+    zero, small, size = [], [], []
+    for g in jax.tree.leaves(grads):
+        size.append(jnp.size(g) if numerics.is_floating(g) else 0)  # weighs the overall fractions
+        if not numerics.is_floating(g) or not jnp.size(g):
+            zero.append(jnp.zeros((), jnp.float32))
+            small.append(jnp.zeros((), jnp.float32))
+            continue
+        # In the compute dtype, not cast back: a float16 leaf's small values must show.
+        magnitude = jnp.abs(g.astype(numerics.compute_dtype(g.dtype)) if inverse is None
+                            else numerics.unscale_leaf(g, inverse, cast_back=False))
+        # Indicators by arithmetic (sign, max), not comparisons: XLA on CPU fuses these into
+        # the reduction, where a boolean mask would be materialized per leaf.
+        # A complex entry is zero iff both parts are (not only its real part); it is small
+        # when nonzero with an unscaled modulus below float16's smallest normal.
+        parts = ([jnp.real(g), jnp.imag(g)] if jnp.issubdtype(g.dtype, jnp.complexfloating)
+                 else [g])
+        nonzero = jnp.sign(sum(jnp.abs(p.astype(magnitude.dtype)) for p in parts))
+        normal16 = jnp.sign(jnp.maximum(magnitude - _BELOW_F16_TINY, 0))  # |y| >= f16 tiny
+        zero.append(jnp.mean(1 - nonzero, dtype=jnp.float32))
+        small.append(jnp.mean(jnp.sign(magnitude) - normal16, dtype=jnp.float32))
+    if not size:
+        empty = jnp.zeros((0,), jnp.float32)
+        return UnderflowStats(empty, empty, jnp.zeros((0,), jnp.int32))
+    return UnderflowStats(jnp.stack(zero), jnp.stack(small),
+                          jnp.asarray(np.asarray(size, np.int32)))
 
 
 def _optional_count(name: str, value: int | None) -> int | None:
@@ -351,3 +643,29 @@ def _refuse_other_inner(inner: Any) -> None:
         hint = ""
     raise TypeError(NOT_AN_OPTIMIZER.format(what=_errors.describe(inner), hint=hint))
 
+
+NOT_A_WRAPPER_STATE = (
+    "{call}: opt_state must be the state that `tx.init(params)` returned for this "
+    "`ls.with_loss_scaling(...)` transformation (a LossScalingState), got {what}. {hint}"
+)
+
+
+def refuse_other_state(opt_state: Any, call: str) -> None:
+    """A ``TypeError`` naming ``opt_state`` and the fix when it is not the wrapper's state
+    (the loss scale itself, a TrainState, params in its place): read as given, a field
+    missing deep inside the step would be all the user saw."""
+    if isinstance(opt_state, LossScalingState):
+        return
+    if isinstance(opt_state, SCALER_TYPES):
+        hint = ("That is the loss scale: pass the optimizer state that holds it "
+                "(`ls.get_loss_scale(opt_state)` reads the scale out of it).")
+    elif held := wrapper_states_in(opt_state):
+        hint = (f"It holds one at {held[0][0]!r}: pass the transformation whose state it "
+                "is as `tx` (e.g. the optax.chain around the wrapper), or that part as "
+                "opt_state. For a TrainState call `state.apply_gradients(grads=grads)`; "
+                "for an nnx Optimizer `optimizer.update(model, grads)`.")
+    else:
+        hint = ("Are the arguments in order? `tx.update(grads, opt_state, params)`, "
+                "`ls.apply_gradients(tx, grads, opt_state, params)`.")
+    raise TypeError(NOT_A_WRAPPER_STATE.format(call=call, what=_errors.describe(opt_state),
+                                               hint=hint))
