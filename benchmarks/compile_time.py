@@ -90,7 +90,7 @@ def without(exact_branch: bool, bookkeeping: bool) -> Step:
     def no_exact_branch(leaves, groups, vectors, inverse, axis_name):
         return jnp.zeros((len(leaves),), jnp.bool_), jnp.asarray(False)
 
-    def no_bookkeeping(options, state, inner_state, decision):
+    def no_bookkeeping(options, state, inner_state, decision, loss_given=False):
         return state._replace(inner_state=inner_state, last_step_applied=decision.apply)
 
     def step(params, opt_state, grads):
