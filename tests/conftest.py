@@ -39,12 +39,12 @@ SLOW_TESTS = (
     "tests/test_demo.py::test_runs_as_a_module",
     "tests/test_demo.py::test_the_train_step_compiles_once_and_skips_non_finite_steps",
     "tests/test_demo.py::test_docs_demo_train_step_runs",  # 9 float16 layers to compile
-    "tests/test_beyond.py::test_noop_scale_unscale_and_update_add_no_ops_to_the_wrapper_step",
-    "tests/test_beyond.py::test_docs_gan_snippet_backs_off_only_the_overflowing_scaler",
+    "tests/test_skipping.py::test_noop_scale_unscale_and_update_add_no_ops_to_the_wrapper_step",
+    "tests/test_skipping.py::test_docs_gan_snippet_backs_off_only_the_overflowing_scaler",
     "tests/test_integrations.py::test_ls_train_state_fused_matches_flax_train_state_plain_and_skips_exactly",
     "tests/test_docs.py::test_site_builds_with_warnings_as_errors",
     "tests/test_exactness.py::test_lbfgs_sees_the_unscaled_grad_extra_argument",
-    "tests/test_wrapper_edges.py::test_ls_train_state_assigns_the_fp8_overwrite_collection_exactly_as_flax_does",
+    "tests/test_wrapper_inputs.py::test_ls_train_state_assigns_the_fp8_overwrite_collection_exactly_as_flax_does",
     # Whole training runs of the framework integrations, step by step against references.
     "tests/test_nnx.py::test_training_matches_nnx_value_and_grad_without_the_wrapper",
     "tests/test_nnx.py::test_value_and_grad_threads_rng_and_batch_stats_exactly_like_nnx",
@@ -67,7 +67,7 @@ SLOW_TESTS = (
     "tests/test_nnx.py::test_metrics_through_nnx_state_equal_the_optimizers",
     "tests/test_nnx.py::test_check_reads_a_failure_from_the_optimizer_its_state_and_split",
     "tests/test_equinox.py::test_a_wrong_first_argument_says_what_it_must_be",
-    "tests/test_beyond.py::test_loss_scale_for_in_a_wrapper_train_step",
+    "tests/test_skipping.py::test_loss_scale_for_in_a_wrapper_train_step",
     # Recipes and checks that train a model or compile many steps (the quick subset's
     # budget is 90 s on 2 cores).
     "tests/test_integrations.py::test_docs_batchnorm_dropout_recipe_trains_and_a_skip_keeps_the_new_batch_stats",
@@ -75,9 +75,9 @@ SLOW_TESTS = (
     "tests/test_transform.py::test_the_default_fused_step_adds_a_fixed_number_of_kernels_whatever_the_leaf_count",
     "tests/test_overflow.py::test_the_readiness_report_matches_a_hand_computation_on_two_layers",
     "tests/test_nnx.py::test_a_wrong_first_argument_says_what_it_must_be",
-    "tests/test_wrapper_edges.py::test_a_skipped_step_keeps_every_float_dtype_bit_for_bit_but_where_xla_cpu_flushes",
-    "tests/test_wrapper_edges.py::test_line_searches_lbfgs_and_sam_run_inside_the_wrapper",
-    "tests/test_wrapper_edges.py::test_metrics_grad_norm_is_the_unscaled_global_norm_and_nonfinite_on_a_skip",
+    "tests/test_wrapper_inputs.py::test_a_skipped_step_keeps_every_float_dtype_bit_for_bit_but_where_xla_cpu_flushes",
+    "tests/test_wrapper_inputs.py::test_line_searches_lbfgs_and_sam_run_inside_the_wrapper",
+    "tests/test_wrapper_inputs.py::test_metrics_grad_norm_is_the_unscaled_global_norm_and_nonfinite_on_a_skip",
     "tests/test_integrations.py::test_docs_optax_snippet_runs_both_paths_and_skips_nan_steps",
     "tests/test_integrations.py::test_docs_train_state_snippet_runs_and_skips_a_nan_step",
     "tests/test_nnx.py::test_get_loss_scale_and_metrics_accept_the_optimizer_its_state_and_split",

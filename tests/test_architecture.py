@@ -457,3 +457,13 @@ def test_duplicates_finds_no_pair_inside_the_package():
     out = subprocess.run(["duplicates", "--repo", str(PACKAGE), "--seconds", "60"],
                          capture_output=True, text=True, check=True).stdout
     assert out.startswith("no duplicates"), out
+
+
+@pytest.mark.parametrize("package", ["core/__init__.py", "wrapper/__init__.py"])
+def test_a_sub_package_map_names_exactly_its_modules(package):
+    """The docstring of ``core/__init__.py`` / ``wrapper/__init__.py`` lists its modules in
+    parentheses: a module moved or merged changes it (it named a removed one before)."""
+    folder = PACKAGE / package.split("/")[0]
+    named = set(re.findall(r"\((\w+)\)", ast.get_docstring(ast.parse(
+        (PACKAGE / package).read_text())) or ""))
+    assert named == {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}

@@ -1,4 +1,4 @@
-"""The three loss-scale states and their update rule.
+"""The three loss-scale states: pytrees, pickling and `loss_scale_for` (the rule: update.py).
 
 Each state is an immutable pytree. The values that change during training are leaves
 (``loss_scale`` float32, ``growth_tracker`` and ``nonfinite_tracker`` int32); the

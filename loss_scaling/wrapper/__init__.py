@@ -1,3 +1,4 @@
-"""The optax wrapper: its state and options (state), the one guarded step (step), and
-with_loss_scaling / apply_gradients (transform).
+"""The optax wrapper: its state and options (state), with_loss_scaling / apply_gradients and
+the one guarded step (transform), where its state may sit (placement), the trace-time
+scaling check (provenance) and replay (replay).
 """

@@ -1,4 +1,4 @@
-"""Edges of the wrapper and its steps (issue 22): inner states, extra arguments, dtypes.
+"""What the wrapper accepts: inner states, extra arguments, dtypes.
 
 Each test here is the regression test of one defect a user reached: a Python scalar in
 the inner state, an eager skip that raised, ``loss=`` forwarded to optimizers that refuse

@@ -1,5 +1,5 @@
-"""Beyond other scalers (issue 7): overflow diagnostics, the skip guard, non-finite losses,
-several loss scales in one optimizer, and the float16 / bfloat16 switch.
+"""What a skipped step records and guards: the per-leaf overflow flags, the skip guard,
+non-finite losses, several loss scales in one optimizer, and the float16 / bfloat16 switch.
 
 Every feature eagerly and under ``jit`` (with donation where a step is jitted), through the
 plain optax path (``tx.update`` + ``apply_updates``), the fused ``ls.apply_gradients`` and

@@ -1,4 +1,4 @@
-"""The mistakes of docs/common_mistakes.md that used to be silent (issue 33).
+"""Wiring mistakes (docs/common_mistakes.md) that used to be silent.
 
 The wrapper outermost, enforced wherever the library sees the whole optimizer state;
 a loss differentiated without the scale (warned while the step is traced, under both

@@ -1,6 +1,5 @@
-"""Options and messages at their edges (issue 33, items 11, 12, 14, 15): a wrong value or
-an argument in the wrong place gets an error that names the argument, the value and the
-fix, eagerly and under ``jit``.
+"""Arguments at their edges: a wrong value or an argument in the wrong place gets an
+error that names the argument, the value and the fix, eagerly and under ``jit``.
 """
 
 from __future__ import annotations
