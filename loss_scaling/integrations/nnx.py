@@ -23,8 +23,8 @@ from loss_scaling.core.scalers import (
     StaticLossScale,
 )
 from loss_scaling.grad import WRONG_FIRST_ARGUMENT, scaled_loss, scaler_of_state
-from loss_scaling.lookup import get_loss_scale, refuse_misplaced_wrapper
-from loss_scaling.wrapper.state import LossScalingState, UnderflowStats
+from loss_scaling.lookup import _get_wrapper_state, get_loss_scale, refuse_misplaced_wrapper
+from loss_scaling.wrapper.state import LossScalingState, UnderflowStats, carried_failure
 from loss_scaling.wrapper.transform import apply_gradients
 
 __all__ = ["Optimizer", "value_and_grad"]
@@ -290,11 +290,14 @@ def replace_scale(state: Any, new: LossScale, path: str | None) -> Any:
         return NotImplemented
 
     target = get_loss_scale(state, path)  # clear errors for none or several
-    # get_loss_scale returns the values the Variables hold: they identify the Variables.
+    wrapper = _get_wrapper_state(state, path)
+    # The lookup returns the values the Variables hold: they identify the Variables.
     holder = state.opt_state if isinstance(state, nnx.Optimizer) else state
     variables = jax.tree.leaves(holder, is_leaf=is_variable)
     replace = {}
-    for old_leaf, new_leaf in zip(jax.tree.leaves(target), jax.tree.leaves(new), strict=True):
+    pairs = [*zip(jax.tree.leaves(target), jax.tree.leaves(new), strict=True),
+             (wrapper.failure, carried_failure(wrapper.failure, new))]
+    for old_leaf, new_leaf in pairs:
         owners = [v for v in variables if is_variable(v) and v.get_value() is old_leaf]
         if len(owners) != 1:
             raise ValueError(
