@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 
 from loss_scaling import _registry
-from loss_scaling._errors import describe
+from loss_scaling._errors import show
 from loss_scaling.core.scalers import (
     DYNAMIC_LEAVES,
     HEADROOM_LEAVES,
@@ -50,7 +50,7 @@ def scaler_of(state: Any) -> Any:
         hint = " (an nnx graph node that is not an optimizer: did you pass the model first?)"
     else:
         return scaler_of_state(state)
-    raise TypeError(WRONG_FIRST_ARGUMENT.format(what=describe(state), hint=hint))
+    raise TypeError(WRONG_FIRST_ARGUMENT.format(what=show(state, type_only=True), hint=hint))
 
 
 def value_and_grad(
@@ -212,7 +212,7 @@ def _refuse_swapped_update(model: Any, grads: Any) -> None:
         raise TypeError(UPDATE_ARGUMENTS.format(problem=problem))
     if not is_graph_node(model):
         raise TypeError(UPDATE_ARGUMENTS.format(
-            problem=f"`model` must be the nnx Module, got {describe(model)}"))
+            problem=f"`model` must be the nnx Module, got {show(model, type_only=True)}"))
 
 
 def _loss_of_params(model: Any, wrt: Any, graph: bool | None,

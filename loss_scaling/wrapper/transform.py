@@ -278,7 +278,7 @@ def apply_gradients(
         _check_scaled(grads, opt_state, params, call)
         return guarded_step(options, grads, opt_state, params, extra_args, fused=True)
     if isinstance(opt_state, LossScalingState):
-        raise TypeError(NOT_THE_WRAPPER.format(what=_errors.describe(tx)))
+        raise TypeError(NOT_THE_WRAPPER.format(what=_errors.show(tx, type_only=True)))
     refuse_not_outermost(opt_state)
     updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     return optax.apply_updates(params, updates), opt_state
@@ -638,7 +638,7 @@ def _refuse_other_inner(inner: Any) -> None:
         hint = f" That is a function: call it to build the optimizer, e.g. `{name}(1e-3)`."
     else:
         hint = ""
-    raise TypeError(NOT_AN_OPTIMIZER.format(what=_errors.describe(inner), hint=hint))
+    raise TypeError(NOT_AN_OPTIMIZER.format(what=_errors.show(inner, type_only=True), hint=hint))
 
 
 NOT_A_WRAPPER_STATE = (
@@ -664,5 +664,5 @@ def refuse_other_state(opt_state: Any, call: str) -> None:
     else:
         hint = ("Are the arguments in order? `tx.update(grads, opt_state, params)`, "
                 "`ls.apply_gradients(tx, grads, opt_state, params)`.")
-    raise TypeError(NOT_A_WRAPPER_STATE.format(call=call, what=_errors.describe(opt_state),
-                                               hint=hint))
+    raise TypeError(NOT_A_WRAPPER_STATE.format(
+        call=call, what=_errors.show(opt_state, type_only=True), hint=hint))
