@@ -133,7 +133,7 @@ NONFINITE_LOSS = (
 
 
 def nonfinite_loss_message(count: Any, scale: Any) -> str:
-    return NONFINITE_LOSS.format(count=int(np.asarray(count)), scale=_float(scale))
+    return NONFINITE_LOSS.format(count=int(np.asarray(count)), scale=_host_float(scale))
 
 
 _repr = reprlib.Repr()
@@ -141,9 +141,12 @@ _repr.maxstring = 60
 _repr.maxother = 60
 
 
-def show(value: Any, limit: int = 80) -> str:
+def show(value: Any, limit: int = 80, *, type_only: bool = False) -> str:
     """The one formatter of values in messages: a short repr that never fails (huge ints,
-    deep nesting, hostile ``__repr__``)."""
+    deep nesting, hostile ``__repr__``); ``type_only``: the value's type (``"an object of
+    type module.Name"``), for a wrong argument whose repr says nothing useful."""
+    if type_only:
+        return f"an object of type {type(value).__module__}.{type(value).__qualname__}"
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
         return f"<an integer of {value.bit_length()} bits>"
     try:
@@ -151,11 +154,6 @@ def show(value: Any, limit: int = 80) -> str:
     except Exception:  # repr of hostile input: the message must still be built
         return f"<a {type(value).__name__} object>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def describe(x: Any) -> str:
-    """``x``'s type, for messages about a wrong argument."""
-    return f"an object of type {type(x).__module__}.{type(x).__qualname__}"
 
 
 SCALER_TOO_MANY_SKIPS = (
@@ -177,25 +175,28 @@ SCALER_NONFINITE_LOSS = (
 
 
 def scaler_too_many_skips_message(scale: Any) -> str:
-    return SCALER_TOO_MANY_SKIPS.format(scale=_float(scale))
+    return SCALER_TOO_MANY_SKIPS.format(scale=_host_float(scale))
 
 
-def _float(x: Any) -> float:
+def _host_float(x: Any) -> float:
+    """A float32 array's value as a Python float, which the templates format."""
     return float(np.asarray(x, np.float32))
 
 
 def backoff_underflow_message(old: Any, factor: float) -> str:
     # In Python floats: a host callback runs on a thread that flushes float32 subnormals.
-    return BACKOFF_UNDERFLOW.format(old=_float(old), factor=factor, new=_float(old) * factor,
+    old = _host_float(old)
+    return BACKOFF_UNDERFLOW.format(old=old, factor=factor, new=old * factor,
                                     tiny=float(_F32.tiny))
 
 
 def invalid_scale_message(value: Any) -> str:
-    return INVALID_SCALE.format(value=_float(value), tiny=float(_F32.tiny), max=float(_F32.max))
+    return INVALID_SCALE.format(value=_host_float(value), tiny=float(_F32.tiny),
+                                max=float(_F32.max))
 
 
 def too_many_skips_message(count: Any, scale: Any, leaves: list[str]) -> str:
-    return TOO_MANY_SKIPS.format(count=int(np.asarray(count)), scale=_float(scale),
+    return TOO_MANY_SKIPS.format(count=int(np.asarray(count)), scale=_host_float(scale),
                                  leaves=", ".join(leaves) or "none (the loss was non-finite)")
 
 
@@ -246,8 +247,8 @@ def not_a_scaler(argument: str, value: Any) -> TypeError:
             isinstance(value, np.ndarray) and value.shape == ()):
         number = value.item() if isinstance(value, (np.number, np.ndarray)) else value
         return TypeError(NUMBER_NOT_A_SCALER.format(argument=argument, value=show(number),
-                                                    what=describe(value)))
-    return TypeError(NOT_A_SCALER.format(argument=argument, what=describe(value)))
+                                                    what=show(value, type_only=True)))
+    return TypeError(NOT_A_SCALER.format(argument=argument, what=show(value, type_only=True)))
 
 
 # Methods of PyTorch's GradScaler (and Keras'), which these states do not have: the

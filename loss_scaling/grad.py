@@ -10,7 +10,7 @@ from typing import Any
 import jax
 
 from loss_scaling import _registry
-from loss_scaling._errors import NoLossScaleFound, describe
+from loss_scaling._errors import NoLossScaleFound, show
 from loss_scaling.core import tree
 from loss_scaling.core.scalers import SCALER_TYPES
 from loss_scaling.lookup import get_loss_scale, refuse_misplaced_wrapper
@@ -72,7 +72,7 @@ def _describe_output(out: Any) -> str:
         return f"an array of shape {tuple(out.shape)} and dtype {out.dtype}"
     if isinstance(out, dict):
         return f"a dict with keys {sorted(map(str, out))[:6]}"
-    return describe(out)
+    return show(out, type_only=True)
 
 
 def split_loss_and_aux(fun: Callable[..., Any], out: Any, has_aux: bool) -> tuple[Any, Any]:
@@ -111,13 +111,13 @@ def scaler_of_state(state: Any) -> Any:
         return state
     if isinstance(state, jax.Array):
         raise TypeError(WRONG_FIRST_ARGUMENT.format(
-            what=describe(state), hint=" (an array: did you forget the loss scale?)"))
+            what=show(state, type_only=True), hint=" (an array: did you forget the loss scale?)"))
     refuse_misplaced_wrapper(state)
     try:
         return get_loss_scale(state)
     except NoLossScaleFound as e:  # several loss scales: that message already says what to do
         raise ValueError(WRONG_FIRST_ARGUMENT.format(
-            what=describe(state), hint=f", which holds no loss scale ({e})")) from None
+            what=show(state, type_only=True), hint=f", which holds no loss scale ({e})")) from None
 
 
 def _framework_value_and_grad(state: Any, args: tuple[Any, ...], kwargs: Any,

@@ -247,23 +247,18 @@ def _read_once(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
                  for x in jax.device_get(local))
 
 
-def _effective_failure(failure: np.ndarray | None, scaler_failure: np.ndarray | None,
-                       scale: np.ndarray | None) -> np.ndarray:
-    """The failure code a step would act on: the wrapper's register, else the scaler's,
-    else ``INVALID_SCALE`` where the scale is not a positive normal float32 (elementwise,
-    for replicated states)."""
-    codes = [np.asarray(c, np.int32) for c in (failure, scaler_failure) if c is not None]
-    if scale is not None:
-        as_f32 = np.asarray(scale).astype(np.float32)
-        valid = np.isfinite(as_f32) & (as_f32 >= np.finfo(np.float32).tiny)
-        codes.append(np.where(valid, np.int32(_errors.Failure.NONE),
-                              np.int32(_errors.Failure.INVALID_SCALE)))
-    if not codes:
-        return np.zeros((), np.int32)
-    out = codes[-1]
-    for code in reversed(codes[:-1]):  # the first register that holds a failure wins
-        out = np.where(code != _errors.Failure.NONE, code, out)
-    return np.asarray(out, np.int32)
+def _failure_code(failure: np.ndarray | None, scale: np.ndarray | None) -> np.ndarray:
+    """The recorded failure code, else ``INVALID_SCALE`` where the scale is not a positive
+    normal float32 (a state built by unflatten or an unchecked restore, before any step);
+    elementwise, for replicated states."""
+    code = np.zeros((), np.int32) if failure is None else np.asarray(failure, np.int32)
+    if scale is None:
+        return code
+    as_f32 = np.asarray(scale).astype(np.float32)
+    valid = np.isfinite(as_f32) & (as_f32 >= np.finfo(np.float32).tiny)
+    return np.where(code != _errors.Failure.NONE, code,
+                    np.where(valid, _errors.Failure.NONE, _errors.Failure.INVALID_SCALE)
+                    ).astype(np.int32)
 
 
 CHECK_UNDER_JIT = (
@@ -325,7 +320,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
         return
     if isinstance(state, (StaticLossScale, DynamicLossScale)):
         failure, scale = _read_once((getattr(state, "failure", None), state.loss_scale))
-        failure = _effective_failure(None, failure, scale)
+        failure = _failure_code(failure, scale)
         if np.any(failure != _errors.Failure.NONE):
             failed = _first_failing(state, failure)
             if isinstance(failed, DynamicLossScale):
@@ -336,13 +331,10 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
     refuse_misplaced_wrapper(state)
     wrapper = _get_wrapper_state(state, path)
     scaler = wrapper.scaler
-    failure, growths, scaler_failure, scale = _read_once((
-        wrapper.failure, wrapper.clean_growths, getattr(scaler, "failure", None),
+    failure, growths, scale = _read_once((
+        wrapper.failure, wrapper.clean_growths,
         None if isinstance(scaler, NoOpLossScale) else scaler.loss_scale))
-    # Two registers: the wrapper's, and the scaler's own (a failed scaler restored into a
-    # fresh optimizer state, `restore_loss_scale`, brings only the latter); and a scale
-    # that arrived invalid (built by unflatten, an unchecked restore) before any step.
-    failure = _effective_failure(failure, scaler_failure, scale)
+    failure = _failure_code(failure, scale)  # the wrapper's register: the one a step reads
     if np.any(failure != _errors.Failure.NONE):
         names = None if params is None else gradient_leaf_names(params)
         failed = _first_failing(wrapper._replace(failure=jnp.asarray(failure)), failure)

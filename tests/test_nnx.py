@@ -515,6 +515,19 @@ def test_restore_loss_scale_on_nnx(holder):
         ls.restore_loss_scale(source, other)
 
 
+@pytest.mark.parametrize("holder", ["optimizer", "state"])
+def test_a_failed_scaler_restored_into_nnx_fails_the_wrapper(holder):
+    # The wrapper's register is the one a step and ls.check read: the restore carries the
+    # scaler's failure code into it.
+    failed = jax.jit(ls.update)(ls.DynamicLossScale(   # under jit: recorded, not raised
+        init_scale=2.0**-126, growth_interval=GROWTH_INTERVAL), False)
+    optimizer = make_optimizer(make_model(), fused=True)
+    out = ls.restore_loss_scale(holders(optimizer)[holder], ls.state_dict(failed))
+    assert int(ls.metrics(out)["failure"]) == ls.Failure.BACKOFF_UNDERFLOW
+    with pytest.raises(ls.LossScaleError, match="loss scale backoff failed"):
+        ls.check(out)
+
+
 def test_orbax_resume_is_bit_identical_to_the_uninterrupted_run(tmp_path, runs):
     model, optimizer, _ = runs[True]                 # the uninterrupted fused run
     half = 26                                        # inside a run of poisoned steps

@@ -17,7 +17,7 @@ from loss_scaling.checkpoint.config import (
 from loss_scaling.checkpoint.state_dict import from_state_dict, place_like, state_dict
 from loss_scaling.core.scalers import LossScale
 from loss_scaling.lookup import get_loss_scale
-from loss_scaling.wrapper.state import LossScalingState
+from loss_scaling.wrapper.state import LossScalingState, carried_failure
 
 
 def restore_loss_scale(
@@ -91,7 +91,8 @@ def resolve(saved: LossScale | Mapping[str, Any], target: LossScale, *,
 
 def replace_loss_scale(state: Any, new: LossScale, path: str | None = None) -> Any:
     """``state`` with the loss scale ``get_loss_scale(state, path)`` picks replaced by
-    ``new`` (a scalar state), placed in the layout of the leaves it replaces."""
+    ``new`` (a scalar state), placed in the layout of the leaves it replaces; the
+    wrapper's failure register takes a failed scaler's code (:func:`carried_failure`)."""
     target = get_loss_scale(state, path)
     new = jax.tree.map(place_like, new, target)
     for hooks in framework_hooks():  # a framework's own state (a mutable nnx.Optimizer)
@@ -117,8 +118,9 @@ def replace_loss_scale(state: Any, new: LossScale, path: str | None = None) -> A
             "the one `get_loss_scale(state, path)` picks; it replaces exactly one: give "
             "each loss scale its own arrays.")
 
-    out = optax.tree_utils.tree_set(
-        state, is_target, LossScalingState=found[0][1]._replace(scaler=new))
+    old = found[0][1]
+    out = optax.tree_utils.tree_set(state, is_target, LossScalingState=old._replace(
+        scaler=new, failure=carried_failure(old.failure, new)))
     if any(a is not b for a, b in zip(jax.tree.leaves(get_loss_scale(out, path)),
                                       jax.tree.leaves(new), strict=True)):
         # optax.tree_utils.tree_set does not reach a wrapper inside another's inner state.

@@ -557,18 +557,13 @@ def _exact_flags(leaves: list[Any], groups: list[LeafGroup], vectors: list[jax.A
     """The branch :func:`finite_leaves` takes when the screen did not clear every group:
     the exact test per leaf (in leaf order, agreed over ``axis_name``) and their AND.
 
-    One computation kept small, because XLA compiles every kernel of it on each compile,
-    taken or not: a large leaf is one fused reduction (:func:`unscaled_bounded_sum`;
-    stacking leaves of one shape into one reduction saved a kernel each, but its copy is
-    temp memory the size of those leaves on every step), their sums take one
-    ``isfinite``, and a joined group's vector, the one the screen read, is tested by one
-    segment reduction (concatenated again here it cost a copy kernel per small leaf:
-    2,293 -> 2,245 kernels for the GPT below). It rereads every group,
-    cleared or not, on steps that are skipped anyway: a conditional per large leaf, to
-    reread only what overflowed, cost four kernels and a conditional a leaf to compile
-    (a 12-layer GPT's train step: 2,395 -> 2,293 kernels, 28 -> 2 conditionals,
-    ``benchmarks/train_step_compile.py --counts``). The flags are put in leaf order by
-    one static permutation.
+    Kept small, because XLA compiles every kernel of it, taken or not: a large leaf is
+    one fused reduction (:func:`unscaled_bounded_sum`; not stacked with leaves of its
+    shape: the stack is a copy), their sums take one ``isfinite``, and a joined group's
+    vector (the one the screen read) one segment reduction. It rereads every group on a
+    step that is skipped anyway: a conditional per leaf, to reread only what overflowed,
+    cost four kernels a leaf (``benchmarks/train_step_compile.py --counts``). One static
+    permutation puts the flags in leaf order.
     """
     sums: dict[Any, list[tuple[LeafGroup, jax.Array]]] = {}
     for group in groups:

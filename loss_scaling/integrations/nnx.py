@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 
 from loss_scaling import _registry
-from loss_scaling._errors import describe
+from loss_scaling._errors import show
 from loss_scaling.core.scalers import (
     DYNAMIC_LEAVES,
     HEADROOM_LEAVES,
@@ -23,8 +23,8 @@ from loss_scaling.core.scalers import (
     StaticLossScale,
 )
 from loss_scaling.grad import WRONG_FIRST_ARGUMENT, scaled_loss, scaler_of_state
-from loss_scaling.lookup import get_loss_scale, refuse_misplaced_wrapper
-from loss_scaling.wrapper.state import LossScalingState, UnderflowStats
+from loss_scaling.lookup import _get_wrapper_state, get_loss_scale, refuse_misplaced_wrapper
+from loss_scaling.wrapper.state import LossScalingState, UnderflowStats, carried_failure
 from loss_scaling.wrapper.transform import apply_gradients
 
 __all__ = ["Optimizer", "value_and_grad"]
@@ -50,7 +50,7 @@ def scaler_of(state: Any) -> Any:
         hint = " (an nnx graph node that is not an optimizer: did you pass the model first?)"
     else:
         return scaler_of_state(state)
-    raise TypeError(WRONG_FIRST_ARGUMENT.format(what=describe(state), hint=hint))
+    raise TypeError(WRONG_FIRST_ARGUMENT.format(what=show(state, type_only=True), hint=hint))
 
 
 def value_and_grad(
@@ -212,7 +212,7 @@ def _refuse_swapped_update(model: Any, grads: Any) -> None:
         raise TypeError(UPDATE_ARGUMENTS.format(problem=problem))
     if not is_graph_node(model):
         raise TypeError(UPDATE_ARGUMENTS.format(
-            problem=f"`model` must be the nnx Module, got {describe(model)}"))
+            problem=f"`model` must be the nnx Module, got {show(model, type_only=True)}"))
 
 
 def _loss_of_params(model: Any, wrt: Any, graph: bool | None,
@@ -290,11 +290,14 @@ def replace_scale(state: Any, new: LossScale, path: str | None) -> Any:
         return NotImplemented
 
     target = get_loss_scale(state, path)  # clear errors for none or several
-    # get_loss_scale returns the values the Variables hold: they identify the Variables.
+    wrapper = _get_wrapper_state(state, path)
+    # The lookup returns the values the Variables hold: they identify the Variables.
     holder = state.opt_state if isinstance(state, nnx.Optimizer) else state
     variables = jax.tree.leaves(holder, is_leaf=is_variable)
     replace = {}
-    for old_leaf, new_leaf in zip(jax.tree.leaves(target), jax.tree.leaves(new), strict=True):
+    pairs = [*zip(jax.tree.leaves(target), jax.tree.leaves(new), strict=True),
+             (wrapper.failure, carried_failure(wrapper.failure, new))]
+    for old_leaf, new_leaf in pairs:
         owners = [v for v in variables if is_variable(v) and v.get_value() is old_leaf]
         if len(owners) != 1:
             raise ValueError(

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from loss_scaling._errors import Failure, describe
+from loss_scaling._errors import Failure, show
 from loss_scaling.core import tree
 from loss_scaling.core.numerics import skip_cond
 from loss_scaling.core.scalers import DynamicLossScale
@@ -99,7 +99,7 @@ def _value_fn(options: WrapperOptions, extra_args: dict[str, Any],
     if value_fn is None:
         raise ValueError(NO_VALUE_FN.format(n=options.max_replays))
     if not callable(value_fn):
-        raise TypeError(NOT_CALLABLE.format(what=describe(value_fn)))
+        raise TypeError(NOT_CALLABLE.format(what=show(value_fn, type_only=True)))
     if params is None:
         raise ValueError(NO_PARAMS.format(n=options.max_replays))
     return value_fn
@@ -118,7 +118,7 @@ def scaled_value_and_grad(value_fn: Callable[..., Any], scaler: Any, params: Any
     def scaled(p: Any) -> tuple[jax.Array, jax.Array]:
         loss = value_fn(p)
         if getattr(loss, "shape", None) != () and not isinstance(loss, (int, float)):
-            raise TypeError(NOT_A_SCALAR.format(what=describe(loss)))
+            raise TypeError(NOT_A_SCALAR.format(what=show(loss, type_only=True)))
         return tree.scale(scaler, loss), loss
 
     (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(params)

@@ -172,7 +172,8 @@ class WrapperOptions(NamedTuple):
 
 def initial_state(scaler: LossScale, inner_state: Any, n_grads: int,
                   underflow_diagnostics: bool) -> LossScalingState:
-    """The state ``init`` returns: every leaf with an explicit dtype."""
+    """The state ``init`` returns: every leaf with an explicit dtype; a failed scaler
+    (restored from its state dict) fails the wrapper."""
     return LossScalingState(
         scaler=scaler,
         inner_state=inner_state,
@@ -181,7 +182,7 @@ def initial_state(scaler: LossScale, inner_state: Any, n_grads: int,
         last_step_applied=jnp.ones((), jnp.bool_),
         nonfinite_loss_steps=jnp.zeros((), jnp.int32),
         nonfinite_grads=jnp.zeros((n_grads,), jnp.bool_),
-        failure=jnp.zeros((), jnp.int32),
+        failure=carried_failure(jnp.zeros((), jnp.int32), scaler),  # a failed scaler's
         failure_skips=jnp.zeros((), jnp.int32),
         clean_growths=jnp.zeros((), jnp.int32),
         underflow=UnderflowStats(jnp.zeros((n_grads,), jnp.float32),
@@ -192,6 +193,17 @@ def initial_state(scaler: LossScale, inner_state: Any, n_grads: int,
         replays=jnp.zeros((), jnp.int32),
         last_step_replays=jnp.zeros((), jnp.int32),
     )
+
+
+def carried_failure(failure: jax.Array, new: LossScale) -> jax.Array:
+    """The wrapper's failure register once ``new`` is its scaler: a failed run stays
+    failed, and a failed scaler (its state dict records the code) fails the wrapper. The
+    wrapper's register is then the one a step and :func:`loss_scaling.check` read
+    (restored by ``restore_loss_scale``)."""
+    code = getattr(new, "failure", None)
+    if code is None:
+        return failure
+    return jnp.where(failure != 0, failure, jnp.asarray(code, jnp.int32)).astype(jnp.int32)
 
 
 def gradient_leaf_count(params: Any) -> int:

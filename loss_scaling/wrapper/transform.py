@@ -278,7 +278,7 @@ def apply_gradients(
         _check_scaled(grads, opt_state, params, call)
         return guarded_step(options, grads, opt_state, params, extra_args, fused=True)
     if isinstance(opt_state, LossScalingState):
-        raise TypeError(NOT_THE_WRAPPER.format(what=_errors.describe(tx)))
+        raise TypeError(NOT_THE_WRAPPER.format(what=_errors.show(tx, type_only=True)))
     refuse_not_outermost(opt_state)
     updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     return optax.apply_updates(params, updates), opt_state
@@ -376,8 +376,6 @@ def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
         if options.axis_name is not None:
             loss_finite = lax.pmin(loss_finite.astype(jnp.int32), options.axis_name) == 1
     healthy = state.failure == Failure.NONE
-    if isinstance(state.scaler, DynamicLossScale):  # a failed scaler restored into a fresh
-        healthy &= state.scaler.failure == Failure.NONE  # state: its own register counts
     valid_scale = jnp.asarray(True)
     if inverse is not None:
         valid_scale = is_positive_normal(state.scaler.loss_scale)
@@ -515,12 +513,12 @@ def _next_failure(options: WrapperOptions, state: LossScalingState, stepped_scal
                   loss_given: bool) -> tuple[jax.Array, jax.Array, LossScale]:
     """The failure code after this step, whether it is new, and the scaler to keep.
 
-    The first failure wins and is kept; the scaler is frozen from then on. One register:
-    the wrapper's code is also written into a dynamic scaler's own ``failure``, so that
-    ``ls.check(scaler)`` and the scaler's state dict carry a ``TOO_MANY_SKIPS`` too (a
-    restore of that JSON does not heal the run). ``NONFINITE_LOSS`` (a loss still
-    non-finite on the ``max_nonfinite_losses``-th skip in a row) is compiled only into
-    steps given a ``loss=``.
+    The first failure wins and is kept; the scaler is frozen from then on. The wrapper's
+    ``failure`` is the register; a dynamic scaler's own ``failure`` is written from it,
+    so that ``ls.check(scaler)`` and the scaler's state dict carry a ``TOO_MANY_SKIPS``
+    too (restoring that JSON fails the wrapper again: ``carried_failure``).
+    ``NONFINITE_LOSS`` (a loss still non-finite on the ``max_nonfinite_losses``-th skip in
+    a row) is compiled only into steps given a ``loss=``.
     """
     failed_before = state.failure != Failure.NONE
     failure = getattr(stepped_scaler, "failure", jnp.int32(Failure.NONE))
@@ -538,8 +536,7 @@ def _next_failure(options: WrapperOptions, state: LossScalingState, stepped_scal
     fails = ~failed_before & (failure != Failure.NONE)
     new_scaler = optax.tree.where(failed_before, state.scaler, stepped_scaler)
     if isinstance(new_scaler, DynamicLossScale):
-        new_scaler = new_scaler._replace(failure=jnp.where(
-            new_scaler.failure == Failure.NONE, failure, new_scaler.failure))
+        new_scaler = new_scaler._replace(failure=failure)
     return failure, fails, new_scaler
 
 
@@ -641,7 +638,7 @@ def _refuse_other_inner(inner: Any) -> None:
         hint = f" That is a function: call it to build the optimizer, e.g. `{name}(1e-3)`."
     else:
         hint = ""
-    raise TypeError(NOT_AN_OPTIMIZER.format(what=_errors.describe(inner), hint=hint))
+    raise TypeError(NOT_AN_OPTIMIZER.format(what=_errors.show(inner, type_only=True), hint=hint))
 
 
 NOT_A_WRAPPER_STATE = (
@@ -667,5 +664,5 @@ def refuse_other_state(opt_state: Any, call: str) -> None:
     else:
         hint = ("Are the arguments in order? `tx.update(grads, opt_state, params)`, "
                 "`ls.apply_gradients(tx, grads, opt_state, params)`.")
-    raise TypeError(NOT_A_WRAPPER_STATE.format(call=call, what=_errors.describe(opt_state),
-                                               hint=hint))
+    raise TypeError(NOT_A_WRAPPER_STATE.format(
+        call=call, what=_errors.show(opt_state, type_only=True), hint=hint))
