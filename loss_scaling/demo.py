@@ -167,7 +167,7 @@ def make_train_step(model: MLP, tx: ls.LossScalingTransformation) -> Callable[..
         params, opt_state = ls.apply_gradients(tx, grads, opt_state, params)
         metrics = ls.metrics(opt_state)         # in-graph: no host sync
         return params, opt_state, StepStats(loss, scaler.loss_scale,
-                                            metrics["last_step_finite"],
+                                            metrics["last_step_applied"],
                                             metrics["zero_grad_fraction"])
 
     return train_step
