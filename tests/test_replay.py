@@ -19,6 +19,7 @@ import optax
 import pytest
 from bitwise import assert_bit_identical, assert_trees_close_in_ulps, bits
 from flax import nnx
+from step_paths import step_by
 
 import loss_scaling as ls
 
@@ -41,19 +42,14 @@ def make_tx(init_scale=256.0, max_replays=3, inner=None, **scaler_kwargs):
 
 def make_step(tx, path, with_loss=True):
     """``step(params, opt_state, x) -> (params, opt_state)`` on one path, with value_fn."""
+    apply = step_by(tx, path)
+
     def step(params, opt_state, x):
         loss, grads = ls.value_and_grad(loss_fn)(opt_state, params, x)
         extra = {"value_fn": lambda p: loss_fn(p, x)}
         if with_loss:
             extra["loss"] = loss
-        if path == "plain":
-            updates, opt_state = tx.update(grads, opt_state, params, **extra)
-            return optax.apply_updates(params, updates), opt_state
-        if path == "fused":
-            return ls.apply_gradients(tx, grads, opt_state, params, **extra)
-        state = ls.TrainState(step=0, apply_fn=None, params=params, tx=tx, opt_state=opt_state)
-        state = state.apply_gradients(grads=grads, **extra)
-        return state.params, state.opt_state
+        return apply(grads, opt_state, params, **extra)
     return step
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import optax
 import pytest
 from bitwise import assert_bit_identical, bits
+from step_paths import DONATING_JIT, EAGER_OR_DONATING_JIT, PATHS, step_by
 
 import loss_scaling as ls
 from loss_scaling.core import numerics as ls_numerics
@@ -30,29 +31,6 @@ pytestmark = pytest.mark.filterwarnings(  # float16 params on purpose: test_diag
     r"ignore:with_loss_scaling. the params .* are b?float16:UserWarning")
 
 NAN, INF = float("nan"), float("inf")
-
-DONATING_JIT = functools.partial(jax.jit, donate_argnums=(1, 2))
-EAGER_OR_DONATING_JIT = pytest.mark.parametrize(
-    "maybe_jit", [lambda f: f, DONATING_JIT], ids=["eager", "jit_donate"])
-PATHS = pytest.mark.parametrize("path", ["plain", "fused", "train_state"])
-
-
-def make_step(tx, path):
-    """``step(grads, opt_state, params, loss=None) -> (params, opt_state)`` by one path."""
-
-    def step(grads, opt_state, params, loss=None):
-        extra = {} if loss is None else {"loss": loss}
-        if path == "plain":
-            updates, opt_state = tx.update(grads, opt_state, params, **extra)
-            return optax.apply_updates(params, updates), opt_state
-        if path == "fused":
-            return ls.apply_gradients(tx, grads, opt_state, params, **extra)
-        state = ls.TrainState(step=0, apply_fn=None, params=params, tx=tx, opt_state=opt_state)
-        state = state.apply_gradients(grads=grads, loss=loss)
-        return state.params, state.opt_state
-
-    return step
-
 
 
 
@@ -95,7 +73,7 @@ def test_per_leaf_flags_name_exactly_the_bad_leaves(maybe_jit, path):
     opt_state = tx.init(params)
     assert opt_state.nonfinite_grads.dtype == jnp.bool_
     assert opt_state.nonfinite_grads.tolist() == [False] * 6
-    step = maybe_jit(make_step(tx, path))
+    step = maybe_jit(step_by(tx, path))
 
     # A skip: exactly enc.b (inf) and head.1 (NaN) are flagged.
     before = bits(params)
@@ -130,7 +108,7 @@ def test_overflow_on_unscale_is_flagged_per_leaf():
     params = {"a": jnp.zeros(2, jnp.float16), "b": jnp.zeros(2)}
     opt_state = tx.init(params)
     grads = {"a": jnp.array([60000.0, 1.0], jnp.float16), "b": jnp.array([60000.0, 1.0])}
-    params, opt_state = jax.jit(make_step(tx, "fused"))(grads, opt_state, params)
+    params, opt_state = jax.jit(step_by(tx, "fused"))(grads, opt_state, params)
     assert ls.nonfinite_grad_paths(opt_state, params) == ["a"]
 
 
@@ -162,7 +140,7 @@ def test_integer_leaves_are_never_flagged(maybe_jit):
     params = {"w": jnp.ones(2), "count": jnp.int32(3)}
     opt_state = tx.init(params)
     assert opt_state.nonfinite_grads.shape == (2,)
-    step = maybe_jit(make_step(tx, "fused"))
+    step = maybe_jit(step_by(tx, "fused"))
     params, opt_state = step({"w": jnp.array([1.0, INF]), "count": jnp.int32(0)}, opt_state,
                              params)
     assert opt_state.nonfinite_grads.tolist() == [False, True]
@@ -179,7 +157,7 @@ def test_empty_params_tree(maybe_jit, path):
     params = {}
     opt_state = tx.init(params)
     assert opt_state.nonfinite_grads.shape == (0,)
-    step = maybe_jit(make_step(tx, path))
+    step = maybe_jit(step_by(tx, path))
     params, opt_state = step({}, opt_state, params)
     assert bool(opt_state.last_step_applied)
     params, opt_state = step({}, opt_state, params, loss=jnp.float32(NAN))  # still skipped
@@ -214,7 +192,7 @@ def test_guard_fails_at_exactly_the_nth_consecutive_skip(maybe_jit, path):
     tx = guarded(limit=3)
     params = nested_params()
     opt_state = tx.init(params)
-    step = maybe_jit(make_step(tx, path))
+    step = maybe_jit(step_by(tx, path))
     bad, good = grads_with({"dec.w": NAN}), grads_with({})
     # Two skips, then a clean step resets the count; two more skips still pass.
     for grads in (bad, bad, good, bad, bad):
@@ -233,7 +211,7 @@ def test_guard_names_a_nonfinite_loss(maybe_jit):
     tx = guarded(limit=2, nonfinite_loss="skip")
     params = nested_params()
     opt_state = tx.init(params)
-    step = maybe_jit(make_step(tx, "fused"))
+    step = maybe_jit(step_by(tx, "fused"))
     params, opt_state = step(grads_with({}), opt_state, params, loss=jnp.float32(INF))
     message = fails_closed(maybe_jit, step, grads_with({}), opt_state, params,
                            loss=jnp.float32(NAN))
@@ -246,7 +224,7 @@ def test_guard_limit_one_fails_on_the_first_skip_and_validates():
     tx = guarded(limit=1)
     params = nested_params()
     with pytest.raises(ls.LossScaleError, match="1 consecutive"):
-        make_step(tx, "plain")(grads_with({"head.0": NAN}), tx.init(params), params)
+        step_by(tx, "plain")(grads_with({"head.0": NAN}), tx.init(params), params)
     for bad in (0, -1, 2.5, True):
         with pytest.raises((ValueError, TypeError), match="max_consecutive_skips"):
             guarded(limit=bad)
@@ -256,7 +234,7 @@ def test_guard_limit_one_fails_on_the_first_skip_and_validates():
 
 def jaxpr_text(tx, path):
     params = nested_params()
-    return str(jax.make_jaxpr(make_step(tx, path))(grads_with({}), tx.init(params), params))
+    return str(jax.make_jaxpr(step_by(tx, path))(grads_with({}), tx.init(params), params))
 
 
 @pytest.mark.parametrize("path", ["plain", "fused"])
@@ -274,7 +252,7 @@ def test_callbacks_are_compiled_only_when_asked_for(path, options, has_callback)
     tx = ls.with_loss_scaling(optax.sgd(1.0), **options)
     assert ("callback" in jaxpr_text(tx, path)) is has_callback
     params = nested_params()
-    lowered = jax.jit(make_step(tx, path)).lower(grads_with({}), tx.init(params), params,
+    lowered = jax.jit(step_by(tx, path)).lower(grads_with({}), tx.init(params), params,
                                                  loss=jnp.float32(1.0))
     assert ("callback" in lowered.as_text().lower()) is has_callback
 
@@ -296,7 +274,7 @@ def test_nonfinite_loss_skips_and_is_counted(maybe_jit, path, mode, bad_grads):
     tx = loss_tx(mode)
     params = nested_params()
     opt_state = tx.init(params)
-    step = maybe_jit(make_step(tx, path))
+    step = maybe_jit(step_by(tx, path))
     params, opt_state = step(grads_with({}), opt_state, params, loss=jnp.float32(1.0))
     assert int(ls.get_loss_scale(opt_state).growth_tracker) == 1
     before = bits((params, opt_state.inner_state))
@@ -327,7 +305,7 @@ def test_nonfinite_loss_skips_and_is_counted(maybe_jit, path, mode, bad_grads):
 def test_skip_mode_leaves_the_hysteresis_tracker_alone(mode, trackers):
     tx = loss_tx(mode, hysteresis=2)
     params = nested_params()
-    step = jax.jit(make_step(tx, "fused"))
+    step = jax.jit(step_by(tx, "fused"))
     params, opt_state = step(grads_with({}), tx.init(params), params, jnp.float32(NAN))
     scaler = ls.get_loss_scale(opt_state)
     assert (int(scaler.growth_tracker), int(scaler.nonfinite_tracker)) == trackers
@@ -559,7 +537,7 @@ def test_noop_wrapper_still_skips_nonfinite_steps(maybe_jit, path):
     tx = ls.with_loss_scaling(optax.adam(0.1), ls.loss_scale_for(jnp.bfloat16))
     params = nested_params()
     opt_state = tx.init(params)
-    step = maybe_jit(make_step(tx, path))
+    step = maybe_jit(step_by(tx, path))
     before = bits((params, opt_state.inner_state))
     params, opt_state = step(grads_with({"head.1": NAN}), opt_state, params)
     assert_bit_identical(before, (params, opt_state.inner_state))

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 from bitwise import assert_bit_identical, bits
+from step_paths import EAGER_OR_DONATING_JIT, PATHS, step_by
 
 import loss_scaling as ls
 
@@ -28,28 +29,6 @@ pytestmark = pytest.mark.filterwarnings(
     r"ignore:with_loss_scaling. the params .* are b?float16:UserWarning")
 
 NAN, INF = float("nan"), float("inf")
-
-DONATING_JIT = functools.partial(jax.jit, donate_argnums=(1, 2))
-EAGER_OR_JIT = pytest.mark.parametrize(
-    "maybe_jit", [lambda f: f, DONATING_JIT], ids=["eager", "jit_donate"])
-PATHS = pytest.mark.parametrize("path", ["plain", "fused", "train_state"])
-
-
-def make_step(tx, path):
-    """``step(grads, opt_state, params, **extra) -> (params, opt_state)`` by one path."""
-
-    def step(grads, opt_state, params, **extra):
-        if path == "plain":
-            updates, opt_state = tx.update(grads, opt_state, params, **extra)
-            return optax.apply_updates(params, updates), opt_state
-        if path == "fused":
-            return ls.apply_gradients(tx, grads, opt_state, params, **extra)
-        state = ls.TrainState(step=0, apply_fn=None, params=params, tx=tx, opt_state=opt_state)
-        state = state.apply_gradients(grads=grads, **extra)
-        return state.params, state.opt_state
-
-    return step
-
 
 # ------------------------------------------------------- 1. a Python scalar in the state
 
@@ -62,14 +41,14 @@ def python_scalar_state_sgd():
                                                        state))
 
 
-@EAGER_OR_JIT
+@EAGER_OR_DONATING_JIT
 @PATHS
 @pytest.mark.parametrize("skip", ["cond", "select"])
 def test_an_inner_state_holding_a_python_scalar_is_accepted(maybe_jit, path, skip):
     tx = ls.with_loss_scaling(python_scalar_state_sgd(), ls.StaticLossScale(4.0), skip=skip)
     params = jnp.array([1.0, 2.0])
     opt_state = tx.init(params)
-    step = maybe_jit(make_step(tx, path))
+    step = maybe_jit(step_by(tx, path))
     params, opt_state = step(jnp.array([4.0, 8.0]), opt_state, params)      # applied
     np.testing.assert_array_equal(params, [0.0, 0.0])
     before = bits(params)
@@ -91,7 +70,7 @@ def test_skip_mode_on_a_nan_loss_at_the_floor_never_fails_eager_or_jit(maybe_jit
                               nonfinite_loss="skip")
     params = jnp.array([1.0, 2.0])
     opt_state = tx.init(params)
-    step = maybe_jit(make_step(tx, path))
+    step = maybe_jit(step_by(tx, path))
     params, opt_state = step(jnp.array([NAN, NAN]), opt_state, params, loss=jnp.float32(NAN))
     np.testing.assert_array_equal(params, [1.0, 2.0])
     ls.check(opt_state)
@@ -150,7 +129,7 @@ def test_a_skipped_step_keeps_every_float_dtype_bit_for_bit_but_where_xla_cpu_fl
                   for name in FLOAT_DTYPES if hasattr(jnp, name)}
         tx = ls.with_loss_scaling(optax.sgd(0.1))
         grads = jax.tree.map(lambda p: jnp.full(p.shape, NAN, p.dtype), params)
-        new_params, opt_state = maybe_jit(make_step(tx, path))(grads, tx.init(params), params)
+        new_params, opt_state = maybe_jit(step_by(tx, path))(grads, tx.init(params), params)
         assert not bool(opt_state.last_step_applied)
         flushes = path == "plain" and jax.default_backend() == "cpu"
         for name, before in params.items():
@@ -234,7 +213,7 @@ def test_line_searches_lbfgs_and_sam_run_inside_the_wrapper(inner, with_loss, pa
     tx = ls.with_loss_scaling(LINE_SEARCH_INNERS[inner](), ls.StaticLossScale(1024.0))
     params = jnp.zeros(2)
     opt_state = tx.init(params)
-    step = make_step(tx, path)
+    step = step_by(tx, path)
 
     @functools.partial(jax.jit, static_argnames="nan_loss")
     def train_step(params, opt_state, nan_loss=False):
@@ -273,7 +252,7 @@ def test_metrics_grad_norm_is_the_unscaled_global_norm_and_nonfinite_on_a_skip(
     params = jax.tree.map(jnp.zeros_like, true)
     opt_state = tx.init(params)
     assert float(ls.metrics(opt_state)["grad_norm"]) == 0.0
-    step = maybe_jit(make_step(tx, path))
+    step = maybe_jit(step_by(tx, path))
     s = 1.0 if isinstance(scaler, ls.NoOpLossScale) else float(scaler.loss_scale)
     scaled = jax.tree.map(lambda g: (g * s).astype(g.dtype), true)
     params, opt_state = step(scaled, opt_state, params)
@@ -346,7 +325,7 @@ def test_a_jitted_step_traces_the_inner_update_once(path):
     tx = ls.with_loss_scaling(optax.GradientTransformation(adam.init, update))
     params = {"w": jnp.ones((3,)), "b": jnp.ones((2, 2))}
     opt_state = tx.init(params)
-    step = jax.jit(make_step(tx, path))
+    step = jax.jit(step_by(tx, path))
     for grads in (params, jax.tree.map(lambda x: x * INF, params)):
         new_params, opt_state = step(grads, opt_state, params)
     assert len(traces) == 1
