@@ -306,7 +306,7 @@ def test_skip_mode_leaves_the_hysteresis_tracker_alone(mode, trackers):
     tx = loss_tx(mode, hysteresis=2)
     params = nested_params()
     step = jax.jit(step_by(tx, "fused"))
-    params, opt_state = step(grads_with({}), tx.init(params), params, jnp.float32(NAN))
+    params, opt_state = step(grads_with({}), tx.init(params), params, loss=jnp.float32(NAN))
     scaler = ls.get_loss_scale(opt_state)
     assert (int(scaler.growth_tracker), int(scaler.nonfinite_tracker)) == trackers
     assert float(scaler.loss_scale) == 1024.0
