@@ -215,6 +215,9 @@ def plain(tx):
 @example(tree={"x": np.asarray([1e38] * 4, np.float32)}, scale=1.0)
 @example(tree={"x": np.asarray([65440.0, 1.0], np.float16)}, scale=0.999)
 @example(tree={"x": np.asarray([1 + 2j, np.nan], np.complex64)}, scale=2.0**15)
+# A one-entry complex leaf with both parts near float32's max: XLA once factored the
+# bounded sum's two terms into one overflowing sum (found by this test).
+@example(tree={"x": np.asarray([3.4028235e38 + 3.4028235e38j], np.complex64)}, scale=1.0)
 def test_the_wrapper_decides_exactly_as_all_finite_of_unscale(tree, scale):
     """Wrapper, ``ls.all_finite(ls.unscale(...))`` and the reference agree; an applied step
     hands the inner optimizer the unscaled gradients; a skipped one changes nothing."""
