@@ -91,7 +91,8 @@ def without(exact_branch: bool, bookkeeping: bool) -> Step:
         return jnp.zeros((len(leaves),), jnp.bool_), jnp.asarray(False)
 
     def no_bookkeeping(options, state, inner_state, decision, loss_given=False):
-        return state._replace(inner_state=inner_state, last_step_applied=decision.apply)
+        return state._replace(inner_state=inner_state, consecutive_skips=(~decision.apply).astype(
+            state.consecutive_skips.dtype))
 
     def step(params, opt_state, grads):
         saved = numerics._exact_flags, transform._next_state

@@ -467,3 +467,15 @@ def test_a_sub_package_map_names_exactly_its_modules(package):
     named = set(re.findall(r"\((\w+)\)", ast.get_docstring(ast.parse(
         (PACKAGE / package).read_text())) or ""))
     assert named == {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+
+
+def test_the_state_and_option_tables_list_exactly_the_fields():
+    from loss_scaling.wrapper.state import LossScalingState, WrapperOptions
+
+    section = page_section("The state and the options")
+    tables = [[line.split("|")[1].strip().strip("`") for line in block.splitlines()[2:]]
+              for block in section.split("\n\n") if block.startswith("| ")]
+    assert tables == [list(LossScalingState._fields), list(WrapperOptions._fields)]
+    # Derived, not stored: a property of the state (the page says so).
+    assert "last_step_applied" not in LossScalingState._fields
+    assert isinstance(LossScalingState.last_step_applied, property)

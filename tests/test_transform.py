@@ -613,10 +613,10 @@ def test_metrics_is_pure_reads_with_no_host_callback():
         jnp.zeros(2))
     jaxpr = jax.make_jaxpr(ls.metrics)(opt_state)
     # Reads of existing leaves plus one count over the per-leaf flags and the scalar
-    # comparisons of scale_suspicious: no callback, no transfer.
+    # comparisons of scale_suspicious and last_step_applied: no callback, no transfer.
     assert not [e for e in jaxpr.eqns if "callback" in e.primitive.name]
     assert {e.primitive.name for e in jaxpr.eqns} <= {"reduce_sum", "convert_element_type",
-                                                      "ne", "ge", "gt", "and", "or"}
+                                                      "eq", "ne", "ge", "gt", "and", "or"}
 
 
 # ------------------------------------------------------------------ counters saturate
@@ -630,6 +630,7 @@ def test_counters_saturate_instead_of_wrapping():
                                          consecutive_skips=jnp.int32(top))
     _, opt_state = jax.jit(tx.update)(jnp.array([NAN]), opt_state, params)
     assert int(opt_state.skipped_steps) == top and int(opt_state.consecutive_skips) == top
+    assert not bool(opt_state.last_step_applied)  # derived from the saturated counter
 
 
 # ----------------------------------------------------------------------- value_and_grad

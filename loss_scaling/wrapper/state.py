@@ -42,9 +42,8 @@ class LossScalingState(NamedTuple):
         ``DynamicLossScale``) that scales the *next* step's loss.
       inner_state: the wrapped optimizer's state; unchanged by skipped steps.
       skipped_steps: int32, steps skipped in total (saturating).
-      consecutive_skips: int32, steps skipped since the last applied one (saturating).
-      last_step_applied: bool, whether the last step was applied (its gradients, and the
-        loss when given, finite; the state healthy).
+      consecutive_skips: int32, steps skipped since the last applied one (saturating):
+        0 exactly when the last step was applied (:attr:`last_step_applied`).
       nonfinite_loss_steps: int32, steps skipped because the ``loss`` passed to the
         update was itself non-finite (saturating).
       nonfinite_grads: bool vector with one entry per gradient leaf, in
@@ -76,7 +75,6 @@ class LossScalingState(NamedTuple):
     inner_state: optax.OptState
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
-    last_step_applied: jax.Array
     nonfinite_loss_steps: jax.Array
     nonfinite_grads: jax.Array
     failure: jax.Array
@@ -88,9 +86,13 @@ class LossScalingState(NamedTuple):
     last_step_replays: jax.Array
 
     @property
-    def last_step_finite(self) -> jax.Array:
-        """The old name of :attr:`last_step_applied` (kept while callers move)."""
-        return self.last_step_applied
+    def last_step_applied(self) -> jax.Array:
+        """bool: whether the last step was applied (its gradients, and the loss when given,
+        finite; the state healthy). Derived, not stored: an applied step resets
+        ``consecutive_skips`` and a skipped one makes it positive (it saturates)."""
+        return self.consecutive_skips == 0
+
+    last_step_finite = last_step_applied  # the old name, kept while callers move
 
 
 class UnderflowStats(NamedTuple):
@@ -179,7 +181,6 @@ def initial_state(scaler: LossScale, inner_state: Any, n_grads: int,
         inner_state=inner_state,
         skipped_steps=jnp.zeros((), jnp.int32),
         consecutive_skips=jnp.zeros((), jnp.int32),
-        last_step_applied=jnp.ones((), jnp.bool_),
         nonfinite_loss_steps=jnp.zeros((), jnp.int32),
         nonfinite_grads=jnp.zeros((n_grads,), jnp.bool_),
         failure=carried_failure(jnp.zeros((), jnp.int32), scaler),  # a failed scaler's

@@ -477,7 +477,6 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
         inner_state=inner_state,
         skipped_steps=_count(state.skipped_steps, applied, reset=False),
         consecutive_skips=consecutive_skips,
-        last_step_applied=applied,
         nonfinite_loss_steps=_count(state.nonfinite_loss_steps, decision.loss_finite,
                                     reset=False),
         nonfinite_grads=jnp.where(keep_flags, state.nonfinite_grads, ~decision.leaf_finite),

@@ -197,11 +197,10 @@ def test_compiles_once_and_donates(results, run_id):
     run = run_result(results, "multi_step", run_id)
     assert run["traces"] == 1
     assert run["cache_size"] in (1, None)  # pmap has no cache to ask
-    # Every donated buffer is consumed, except the inputs `last_step_finite` (bool),
-    # `grad_norm` (float32) and `last_step_replays` (int32), which the step only writes (jit
-    # prunes unused arguments, so their buffers stay alive).
-    assert all(kept in ([], ["bool"], ["bool", "float32"], ["bool", "float32", "int32"])
-               for kept in run["kept"]), run["kept"]
+    # Every donated buffer is consumed, except the inputs `grad_norm` (float32) and
+    # `last_step_replays` (int32), which the step only writes (jit prunes unused arguments,
+    # so their buffers stay alive).
+    assert all(kept in ([], ["float32"], ["float32", "int32"]) for kept in run["kept"]), run["kept"]
     # tx.init hands out fresh buffers: it still works after donated steps.
     assert run["reinit_scale"] == 1024.0
 
