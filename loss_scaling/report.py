@@ -10,7 +10,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from loss_scaling import _errors
 from loss_scaling.core.scalers import (
@@ -24,6 +23,7 @@ from loss_scaling.lookup import _NO_CONFIG, _get_wrapper_state, refuse_misplaced
 from loss_scaling.wrapper.state import (
     SUSPICIOUS_GROWTHS,
     UnderflowStats,
+    differentiated,
     key_path_names,
     wrapper_failure_message,
 )
@@ -192,7 +192,7 @@ def nonfinite_grad_paths(opt_state: Any, params: Any, path: str | None = None) -
       ['dec.w']
     """
     flags = np.asarray(_get_wrapper_state(opt_state, path).nonfinite_grads)
-    names = gradient_leaf_names(params)
+    names = key_path_names(differentiated(params))
     if flags.shape[-1:] != (len(names),):
         raise ValueError(
             f"params has {len(names)} leaves but the optimizer state holds "
@@ -202,21 +202,6 @@ def nonfinite_grad_paths(opt_state: Any, params: Any, path: str | None = None) -
         return []
     flagged = np.atleast_1d(flags.reshape(-1, len(names)).any(axis=0)).tolist()  # any replica
     return [name for name, flag in zip(names, flagged, strict=True) if flag]
-
-
-def gradient_leaf_names(params: Any) -> list[str]:
-    """The names of the gradient leaves that ``params`` receives, one per non-finite flag.
-
-    The one naming of gradient leaves (:func:`nonfinite_grad_paths` and the messages of
-    :func:`check` use it): :func:`~loss_scaling.wrapper.state.key_path_names` (key paths written by
-    ``jax.tree_util.keystr(path, simple=True, separator=".")``) of the differentiated part
-    of ``params``. The gradients mirror the params, except around wrappers whose params
-    carry more than is differentiated: ``optax.lookahead`` takes
-    ``LookaheadParams(fast, slow)`` but gradients of ``fast`` only.
-    """
-    if isinstance(params, optax.LookaheadParams):
-        params = params.fast
-    return key_path_names(params)
 
 
 def _host(x: Any) -> np.ndarray:
@@ -336,7 +321,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
         None if isinstance(scaler, NoOpLossScale) else scaler.loss_scale))
     failure = _failure_code(failure, scale)  # the wrapper's register: the one a step reads
     if np.any(failure != _errors.Failure.NONE):
-        names = None if params is None else gradient_leaf_names(params)
+        names = None if params is None else key_path_names(differentiated(params))
         failed = _first_failing(wrapper._replace(failure=jnp.asarray(failure)), failure)
         scaler = failed.scaler
         if isinstance(scaler, DynamicLossScale) and scaler.config is None:

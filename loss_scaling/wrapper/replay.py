@@ -37,7 +37,12 @@ from loss_scaling.core import tree
 from loss_scaling.core.numerics import skip_cond
 from loss_scaling.core.scalers import DynamicLossScale
 from loss_scaling.core.update import backoff_now
-from loss_scaling.wrapper.state import REPLAY_EXTRA_ARG, LossScalingState, WrapperOptions
+from loss_scaling.wrapper.state import (
+    REPLAY_EXTRA_ARG,
+    LossScalingState,
+    WrapperOptions,
+    differentiated,
+)
 
 NO_VALUE_FN = (
     "with_loss_scaling(max_replays={n}) recomputes a batch whose gradients overflow, so its "
@@ -103,13 +108,6 @@ def _value_fn(options: WrapperOptions, extra_args: dict[str, Any],
     if params is None:
         raise ValueError(NO_PARAMS.format(n=options.max_replays))
     return value_fn
-
-
-def differentiated(params: Any) -> Any:
-    """What ``value_fn`` takes and the gradients are of: the params, or with
-    ``optax.lookahead`` (whose update takes ``LookaheadParams`` and gradients of the fast
-    params) the fast params."""
-    return params.fast if isinstance(params, optax.LookaheadParams) else params
 
 
 def scaled_value_and_grad(value_fn: Callable[..., Any], scaler: Any, params: Any,

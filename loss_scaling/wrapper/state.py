@@ -207,16 +207,10 @@ def carried_failure(failure: jax.Array, new: LossScale) -> jax.Array:
     return jnp.where(failure != 0, failure, jnp.asarray(code, jnp.int32)).astype(jnp.int32)
 
 
-def gradient_leaf_count(params: Any) -> int:
-    """How many gradient leaves an update receives for ``params``.
-
-    The gradients mirror the params, except for optimizers whose ``params`` carry more
-    than is differentiated: ``optax.lookahead`` takes ``LookaheadParams(fast, slow)`` but
-    gradients of ``fast`` only.
-    """
-    if isinstance(params, optax.LookaheadParams):
-        params = params.fast
-    return len(jax.tree.leaves(params))
+def differentiated(params: Any) -> Any:
+    """What the gradients are of (and replay's ``value_fn`` takes): the params, or with
+    ``optax.lookahead``, whose ``params`` are ``LookaheadParams(fast, slow)``, the fast ones."""
+    return params.fast if isinstance(params, optax.LookaheadParams) else params
 
 
 def _has_zero(dtype: Any) -> bool:

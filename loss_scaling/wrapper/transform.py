@@ -64,7 +64,7 @@ from loss_scaling.wrapper.state import (
     _fresh,
     _refuse_dtypes_without_zero,
     _warn_low_precision_state,
-    gradient_leaf_count,
+    differentiated,
     initial_state,
     key_path_names,
     wrapper_failure_message,
@@ -206,7 +206,8 @@ def with_loss_scaling(
         inner_state = inner.init(params)
         _warn_low_precision_state(params, inner_state)
         return initial_state(_fresh(initial_scaler), inner_state,
-                             gradient_leaf_count(params), bool(underflow_diagnostics))
+                             len(jax.tree.leaves(differentiated(params))),
+                             bool(underflow_diagnostics))
 
     def update_fn(
         updates: optax.Updates,
