@@ -84,10 +84,6 @@ class LossScalingTransformation(optax.GradientTransformationExtraArgs):
     options: WrapperOptions
 
 
-_DIAGNOSTICS_HINT = (" Pass True to record the fractions of zero and tiny gradients, "
-                     "False (the default) for none.")
-
-
 def with_loss_scaling(
     inner: optax.GradientTransformation,
     scaler: LossScale | None = None,
@@ -186,8 +182,9 @@ def with_loss_scaling(
         "max_replays", max_replays, 0, MAX_REPLAYS,
         " Pass 0 (the default) for no replay, or a small count such as 2: each replay is "
         "one more forward and backward pass of an overflowed batch.")
-    underflow_diagnostics = validation.flag("underflow_diagnostics", underflow_diagnostics,
-                                            _DIAGNOSTICS_HINT)
+    underflow_diagnostics = validation.flag(
+        "underflow_diagnostics", underflow_diagnostics,
+        " Pass True to record the fractions of zero and tiny gradients, False for none.")
     if scaler is None:
         scaler = DynamicLossScale()
     require_scaler("scaler", scaler)
@@ -614,9 +611,8 @@ NOT_AN_OPTIMIZER = (
 
 WRAPPED_TWICE = (
     "with_loss_scaling(inner, scaler): inner is already a `ls.with_loss_scaling(...)` "
-    "transformation. Wrapped twice, the gradients would be unscaled twice (divided by the "
-    "scale squared: every step 1/scale the size it should be) by two loss scales of which "
-    "only one scaled the loss. Wrap the optimizer once: "
+    "transformation; wrapped twice, the gradients are unscaled twice (divided by the scale "
+    "squared). Wrap the optimizer once: "
     "`ls.with_loss_scaling(optax.adam(1e-3), ls.DynamicLossScale(...))`."
 )
 
