@@ -202,16 +202,13 @@ def refuse_wrapper_inside_multisteps(opt_state: Any) -> None:
 def _multisteps_around_a_wrapper(tree: Any) -> bool:
     """The common answer, no, without key paths: it stops at the outermost states (an
     eager `ls.value_and_grad` pays this on every call, 7 ms for 1,000 leaves with paths)."""
-    def is_wrapper(x: Any) -> bool:
-        return isinstance(x, LossScalingState)
-
     for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(
             x, (optax.MultiStepsState, LossScalingState))):
         if isinstance(x, optax.MultiStepsState):
-            if any(map(is_wrapper, jax.tree.leaves(x.inner_opt_state, is_leaf=is_wrapper))):
+            if _holds_wrapper(x.inner_opt_state):
                 return True
             inner = x.inner_opt_state
-        elif is_wrapper(x):
+        elif _is_wrapper(x):
             inner = x.inner_state
         else:
             continue
@@ -221,15 +218,7 @@ def _multisteps_around_a_wrapper(tree: Any) -> bool:
 
 
 def path_str(path: tuple[Any, ...]) -> str:
-    """A key path as Python would index it, e.g. ``.inner_states['x'].inner_state``."""
-    parts = []
-    for key in path:
-        if isinstance(key, (optax.tree_utils.NamedTupleKey, jax.tree_util.GetAttrKey)):
-            parts.append(f".{key.name}")
-        elif isinstance(key, jax.tree_util.DictKey):
-            parts.append(f"[{key.key!r}]")
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(f"[{key.idx}]")
-        else:
-            parts.append(jax.tree_util.keystr((key,)))
-    return "".join(parts)
+    """A key path as Python would index it, e.g. ``.inner_states['x'].inner_state``
+    (``keystr``, but an optax ``NamedTupleKey`` without its tuple's name)."""
+    return "".join(f".{key.name}" if isinstance(key, optax.tree_utils.NamedTupleKey)
+                   else jax.tree_util.keystr((key,)) for key in path)
