@@ -446,14 +446,10 @@ def agree(flags: jax.Array, squares: jax.Array, axis_name: AxisName,
 
 
 def group_peak(x: jax.Array) -> jax.Array:
-    """The largest ``|entry|`` of a group's vector as float32, as
-    :func:`loss_scaling.grads_max` computes it (complex: the modulus).
-
-    The magnitude itself, not the square root of the largest square: a square leaves
-    float32's range for an entry above ~1.8e19 (it would read inf, "no room", for ever
-    with ``headroom_dtype`` float32 or bfloat16) and flushes to 0 below ~1.1e-19 (an
-    empty entry, though the gradients are not zero).
-    """
+    """The largest ``|entry|`` of a group's vector as float32 (complex: the modulus), as
+    :func:`loss_scaling.grads_max` computes it. Not the root of the largest square, which
+    overflows above ~1.8e19 ("no room" for ever with ``headroom_dtype`` float32) and
+    flushes to 0 below ~1.1e-19 (an empty entry, though the gradients are not zero)."""
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
@@ -472,29 +468,22 @@ def finite_leaves(grads: Any, inverse: Reciprocal | None, axis_name: AxisName,
                   measure: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array,
                                                              jax.Array | None]:
     """Per gradient leaf, whether its unscaled values are all finite; their AND; the
-    sum of squares of the (scaled) gradients, in float32, for the norm; and with
-    ``measure`` (``growth="headroom"``: whether the rule records this step's max, a
-    bool) the largest |entry| of the scaled gradients (float32, agreed over
-    ``axis_name``), else None.
+    float32 sum of squares of the scaled gradients, for the norm; and with ``measure``
+    (``growth="headroom"``: whether the rule records this step's max, a bool) the largest
+    |entry| of the scaled gradients (:func:`group_peak`, agreed over ``axis_name``), else
+    None.
 
-    The max is that of the magnitudes (:func:`group_peak`). Off CPU it is a sibling
-    reduction of the same leaves the norm reads (one read), taken in the same collective,
-    on every step.
-    XLA on CPU does not fuse a second reduction into the screen's vectorized sum (a
-    multi-output reduction ran 10-20x slower than the sum, benchmarks/headroom_cost.py):
-    there the max is a second read with its own collective, under a conditional that
-    runs it only on the steps that record it (and are finite); a model of small leaves
-    only, where the conditional costs more than the read, reads it on every step. On the
-    other steps it is 0, which the rule ignores
-    (:func:`loss_scaling.core.update.records_max`).
-
-    On CPU the leaves are first screened by sums of squares, the one reduction XLA CPU
-    vectorizes (about 3x faster than one with the unscale or ``abs`` as its producer,
-    benchmarks/step_breakdown.py), small leaves joined
-    (:func:`leaf_groups`, each read as one vector); why a finite sum clears a group is
-    argued at :func:`sum_screen`. Only if a group is not cleared does the
-    exact test run (:func:`_exact_flags`, under a conditional). Other backends run the
-    exact test directly: a conditional can cost them a host round trip.
+    On CPU the leaves are first screened by sums of squares (:func:`sum_screen`), the one
+    reduction XLA CPU vectorizes (3x faster than one with the unscale or ``abs`` as its
+    producer, benchmarks/step_breakdown.py), small leaves joined (:func:`leaf_groups`);
+    only a group not cleared runs the exact test (:func:`_exact_flags`, under a
+    conditional). Other backends run the exact test directly (a conditional can cost them
+    a host round trip), the max a sibling reduction of the same read in the same
+    collective. XLA CPU does not fuse a second reduction into the screen's sum (10-20x
+    slower, benchmarks/headroom_cost.py): there the max is a second read with its own
+    collective, under a conditional that runs it only on the steps that record it (and
+    are finite; else 0, which the rule ignores: :func:`loss_scaling.core.update.records_max`);
+    with small leaves only, where the conditional costs more than the read, on every step.
     """
     leaves = jax.tree.leaves(grads)
     groups = leaf_groups(leaves)
@@ -559,8 +548,7 @@ def _exact_flags(leaves: list[Any], groups: list[LeafGroup], vectors: list[jax.A
     stacked = jnp.concatenate(parts)
     if permutation is not None:
         stacked = stacked[permutation]
-    if axis_name is not None:
-        stacked = lax.pmin(stacked.astype(jnp.int32), axis_name) == 1
+    stacked = _and_over_axes(stacked, axis_name)
     return stacked, all_rows(stacked)
 
 
