@@ -26,13 +26,7 @@ from loss_scaling.core.validation import (
     validate_dynamic_config,
 )
 
-__all__ = [
-    "DynamicLossScale",
-    "LossScale",
-    "loss_scale_for",
-    "NoOpLossScale",
-    "StaticLossScale",
-]
+__all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", "loss_scale_for"]
 
 
 # ------------------------------------------------------------------------------ states
@@ -322,9 +316,8 @@ def loss_scale_for(compute_dtype: Any, **dynamic_options: Any) -> LossScale:
     try:
         dtype = jnp.dtype(compute_dtype)
     except TypeError:
-        raise ValueError(
-            f"compute_dtype must be a floating dtype, got {show(compute_dtype)}.") from None
-    if not jnp.issubdtype(dtype, jnp.floating):
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"compute_dtype must be a floating dtype, got {show(compute_dtype)}.")
     if jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp:  # float16 and narrower
         return DynamicLossScale(**dynamic_options)
@@ -337,7 +330,6 @@ DYNAMIC_LEAVES = ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure"
 """The leaves of a DynamicLossScale with ``growth="interval"``, in flattening order."""
 HEADROOM_LEAVES = (*DYNAMIC_LEAVES, "grad_max_history", "headroom_tracker", "ceiling")
 """The leaves of a DynamicLossScale with ``growth="headroom"``, in flattening order."""
-_DYNAMIC_LEAVES = DYNAMIC_LEAVES
 FLOAT_LEAVES = frozenset({"loss_scale", "grad_max_history", "ceiling"})
 """The float32 leaves of the scalers (the others are int32)."""
 
