@@ -169,12 +169,10 @@ def _dynamic_step(
 ) -> tuple[DynamicLossScale, jax.Array]:
     """One application of the rule; returns (new state, whether it failed on this step).
 
-    ``backoff=True`` is :func:`backoff_now` (``finite`` False, hysteresis ignored). Fail
-    closed and sticky: a backoff below the normal float32 range, or a scale that is not
-    a positive normal float32 on arrival, records a :class:`Failure` code and keeps every
-    value as it was (the scale at its last valid value, never 0, subnormal or NaN); a
-    failed state never changes again. ``valid``: the scale's validity when the caller
-    has checked it already (the wrapper checks it once a step, :func:`is_positive_normal`).
+    ``backoff=True`` is :func:`backoff_now`. Fail closed and sticky (as :func:`update`
+    says): a failing step records a :class:`Failure` code and keeps every value as it
+    was, and a failed state never changes again. ``valid``: the scale's validity when the
+    caller has checked it already (the wrapper, once a step: :func:`is_positive_normal`).
     """
     config = state.config
     scale, tracker, streak = state.loss_scale, state.growth_tracker, state.nonfinite_tracker
@@ -238,12 +236,9 @@ def step_recorded(state: DynamicLossScale, finite: jax.Array, *, grads_max: Any 
 def backoff_now(state: LossScale) -> LossScale:
     """The rule's non-finite branch applied at once, hysteresis ignored: a replay's backoff.
 
-    The scale times ``backoff_factor`` (clamped at ``min_scale``), ``growth_tracker`` 0,
-    ``nonfinite_tracker`` counted as on a non-finite step, and for ``growth="headroom"``
-    the ceiling set to the backed-off scale and the window started over. A backoff below
-    the normal float32 range fails closed as in :func:`update` under ``jit``: recorded in
-    the state (never raised, eagerly neither), every value kept; a failed state is
-    returned unchanged. ``NoOpLossScale`` and ``StaticLossScale`` are returned as they are.
+    A backoff below the normal float32 range fails closed as in :func:`update` under
+    ``jit``: recorded in the state, never raised (eagerly neither). ``NoOpLossScale`` and
+    ``StaticLossScale`` are returned as they are.
 
     Examples:
       >>> import loss_scaling as ls
