@@ -37,11 +37,9 @@ __all__ = ["all_finite", "grads_max", "scale", "scaling_a_loss", "unscale"]
 
 SCALED_TWICE = (
     "ls.scale was called inside the loss function given to ls.value_and_grad, which "
-    "scales the loss itself: the loss would be scaled twice (by the scale squared), the "
-    "gradients would overflow or come out scale times too large, and the scale would back "
-    "off without end. Return the plain loss from the loss function, or differentiate "
-    "`ls.scale(s, loss_fn(...))` with `jax.grad` (docs/common_mistakes.md, \"Scaling "
-    "forgotten or doubled\")."
+    "scales the loss itself: the loss would be scaled twice (by the scale squared). Return "
+    "the plain loss from the loss function, or differentiate `ls.scale(s, loss_fn(...))` "
+    "with `jax.grad` (docs/common_mistakes.md, \"Scaling forgotten or doubled\")."
 )
 
 _SCALING_A_LOSS: contextvars.ContextVar[bool] = contextvars.ContextVar(

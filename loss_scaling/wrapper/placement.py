@@ -37,8 +37,7 @@ __all__ = ["misplaced_wrapper_reason", "refuse_not_outermost", "wrapper_states_i
 
 WRAPPER_NOT_OUTERMOST = (
     "This optimizer state holds `ls.with_loss_scaling(...)` inside another transformation "
-    "({outer}, at {where}), which is then outside the loss scaling: {why} Put the "
-    "wrapper outermost, around the whole optimizer: "
+    "({outer}, at {where}): {why} Put the wrapper outermost, around the whole optimizer: "
     "`ls.with_loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), "
     "optax.adamw(schedule)))` (docs/common_mistakes.md, \"Wiring the optimizer\")."
 )
@@ -165,12 +164,10 @@ def _walk_groups(node: Any, path: tuple[Any, ...]) -> str | None:
 
 WRAPPER_INSIDE_MULTISTEPS = (
     "This optimizer state holds `ls.with_loss_scaling(...)` inside `optax.MultiSteps` "
-    "({where}): that order trains nothing after the first overflow "
-    "(MultiSteps resets its accumulator as (1 - emit) * acc, and 0 * inf is NaN, so every "
-    "later window is skipped too). Put the wrapper around the accumulation: "
-    "`ls.with_loss_scaling(optax.MultiSteps(inner, every_k_schedule=k))`, which unscales "
-    "and checks each micro batch on its own (see docs/optax_wrapper.md, "
-    "\"Gradient accumulation\")."
+    "({where}): that order trains nothing after the first overflow (MultiSteps resets its "
+    "accumulator as (1 - emit) * acc, and 0 * inf is NaN). Put the wrapper around the "
+    "accumulation, `ls.with_loss_scaling(optax.MultiSteps(inner, every_k_schedule=k))`, which "
+    "checks each micro batch (docs/optax_wrapper.md, \"Gradient accumulation\")."
 )
 
 
