@@ -1,12 +1,11 @@
 """The JSON state-dict format: :func:`state_dict`, :func:`from_state_dict`, and reading
 values out of untrusted dicts and off devices.
 
-``{"format_version": 1, "kind": ..., "config": {...}, "values": {...}}``. A dict is
-checked field by field (exactly the expected keys, the expected types, float32 values
-exactly), then by :mod:`loss_scaling.core.validation` as construction checks; every
-refusal is a ``ValueError`` that starts with ``invalid loss-scale state dict: `` and names
-the field (``values.loss_scale``). An interval scaler's dict is the one written before
-headroom growth existed; a headroom scaler adds its options and three values.
+A dict is checked field by field (:func:`from_state_dict` says how), then by
+:mod:`loss_scaling.core.validation`; every refusal is a ``ValueError`` that starts with
+``invalid loss-scale state dict: `` and names the field (``values.loss_scale``). An
+interval scaler's dict is the one written before headroom growth existed; a headroom
+scaler adds its options and three values.
 """
 
 from __future__ import annotations
