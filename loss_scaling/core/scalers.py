@@ -21,9 +21,10 @@ from loss_scaling._errors import no_such_method, not_a_scaler, show
 from loss_scaling.core.validation import (
     DynamicConfig,
     config_fields,
+    dynamic_config,
     positive_normal_float32,
+    scale_in_range,
     scale_range,
-    validate_dynamic_config,
 )
 
 __all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", "loss_scale_for"]
@@ -195,8 +196,8 @@ class DynamicLossScale:
         headroom_window: int | None = None,
         headroom_dtype: Any = None,
     ) -> None:
-        config, init = validate_dynamic_config(
-            init_scale=init_scale,
+        init = positive_normal_float32("init_scale", init_scale)
+        config = dynamic_config(
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
             growth_interval=growth_interval,
@@ -208,6 +209,7 @@ class DynamicLossScale:
             headroom_window=headroom_window,
             headroom_dtype=headroom_dtype,
         )
+        scale_in_range("init_scale", init, config)
         zero = jnp.zeros((), jnp.int32)
         leaves: tuple[Any, ...] = (jnp.asarray(init, jnp.float32), zero, zero, zero)
         if config.growth == "headroom":
