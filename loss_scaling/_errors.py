@@ -1,9 +1,5 @@
-"""Errors raised by loss_scaling, the failure codes states record, and their messages.
-
-A run that cannot continue is recorded in its state as a :class:`Failure` code (sticky:
-every later step is skipped) and raised on the host as :class:`LossScaleError` by
-``loss_scaling.check``. The messages are built from the recorded state alone.
-"""
+"""Errors raised by loss_scaling, the failure codes states record, and their messages
+(built from the recorded state alone)."""
 
 from __future__ import annotations
 
