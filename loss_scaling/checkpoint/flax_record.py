@@ -33,12 +33,10 @@ from loss_scaling.core.validation import counter_in_range, history_in_range, sca
 from loss_scaling.wrapper.state import LossScalingState
 
 PRE_LOSS_SCALING = (
-    "{where}. Is it a checkpoint written before loss scaling was added (an fp32 run moving "
-    "to float16, its optimizer state a bare optax state)? Such a checkpoint restores with "
-    "its own structure; then start loss scaling from it by placing the old optimizer "
-    "state into the new one's inner state, e.g. `opt_state = "
-    "tx.init(params)._replace(inner_state=old_opt_state)`: see \"Starting loss scaling "
-    "from an existing checkpoint\" in docs/checkpoints.md."
+    "{where}. Is it a checkpoint written before loss scaling was added? Restore it with its "
+    "own structure, then place the old optimizer state into the new one's inner state: "
+    "`opt_state = tx.init(params)._replace(inner_state=old_opt_state)` (docs/checkpoints.md, "
+    "\"Starting loss scaling from an existing checkpoint\")."
 )
 
 # The checked record that flax.serialization stores for a static or dynamic scaler:
