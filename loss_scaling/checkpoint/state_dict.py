@@ -108,9 +108,8 @@ def _number(name: str, value: Any, below_normal: bool = False) -> float:
     below, above = sorted((float(rounded), float(np.nextafter(
         rounded, np.float32(np.inf if float(rounded) < number else -np.inf)))))
     raise ValueError(f"{name} is {number!r}, which float32 does not represent exactly: the "
-                     f"nearest float32 values are {below!r} and {above!r}. A state dict "
-                     "holds float32 values exactly (state_dict writes them so, and a JSON "
-                     "round trip keeps them): write one of those.")
+                     f"nearest float32 values are {below!r} and {above!r}; a state dict "
+                     "holds float32 values exactly: write one of those.")
 
 
 def _integer(name: str, value: Any) -> int:
