@@ -1,9 +1,5 @@
-"""Errors raised by loss_scaling, the failure codes states record, and their messages.
-
-A run that cannot continue is recorded in its state as a :class:`Failure` code (sticky:
-every later step is skipped) and raised on the host as :class:`LossScaleError` by
-``loss_scaling.check``. The messages are built from the recorded state alone.
-"""
+"""Errors raised by loss_scaling, the failure codes states record, and their messages
+(built from the recorded state alone)."""
 
 from __future__ import annotations
 
@@ -50,13 +46,11 @@ class LossScaleWarning(UserWarning):
 
 SUSPICIOUS_SCALE = (
     "the loss scale grew {growths} times in a row without a single overflow (it is now "
-    "{scale!r}). With a scaled loss the gradients grow with the scale and overflow sooner or "
-    "later; when they never do, the loss was probably not scaled (differentiate "
-    "`loss_scaling.scale(state, loss)`, or use `loss_scaling.value_and_grad`), the "
-    "gradients were unscaled twice (`loss_scaling.unscale` before the optimizer wrapper, "
-    "which unscales them itself), or the model "
-    "needs no loss scaling (use NoOpLossScale, or compute in bfloat16). Turn on "
-    "`underflow_diagnostics=True` to see how much of the gradients float16 loses."
+    "{scale!r}); scaled gradients overflow sooner or later. Probably the loss was not scaled "
+    "(differentiate `loss_scaling.scale(state, loss)`, or use `loss_scaling.value_and_grad`), "
+    "the gradients were unscaled twice (`loss_scaling.unscale` before the optimizer wrapper, "
+    "which unscales them itself), or the model needs no loss scaling (NoOpLossScale, or "
+    "bfloat16). `underflow_diagnostics=True` shows how much of the gradients float16 loses."
 )
 
 
@@ -87,48 +81,41 @@ class Failure(enum.IntEnum):
 
 _F32 = np.finfo(np.float32)
 
+# The parts every failure message shares: what stopping means, and where to look.
+_STOPS = "the run stops (every later step is skipped; params and optimizer state are kept)"
+_FIND_OVERFLOW = ("`loss_scaling.find_overflow(loss_fn, *args)` names the layer, op and line of "
+                  "the first inf/NaN that matters")
+
 BACKOFF_UNDERFLOW = (
     "loss scale backoff failed: the loss scale {old!r} times backoff_factor {factor!r} gives "
-    "{new!r}, below the smallest normal float32 ({tiny!r}). Unscaling by a zero or subnormal "
-    "factor is meaningless, so the run stops (every later step is skipped, params and "
-    "optimizer state stay as they were) instead of continuing silently. The gradients keep "
-    "overflowing at every scale: look for a NaN/inf in the loss or the model itself (pass "
-    "`loss=loss` to the optimizer update and read `nonfinite_loss_steps` and "
-    "`loss_scaling.nonfinite_grad_paths`), or pass `min_scale=...` to clamp the backoff. "
-    "`loss_scaling.find_overflow(loss_fn, *args)` names the layer, op and line of the "
-    "first inf/NaN that reaches the loss or a gradient (forward or backward); "
+    "{new!r}, below the smallest normal float32 ({tiny!r}), so " + _STOPS + ". The "
+    "gradients overflow at every scale: look for a NaN/inf in the loss or the model (pass "
+    "`loss=loss` to the optimizer update, read `loss_scaling.nonfinite_grad_paths`), or pass "
+    "`min_scale=...` to clamp the backoff. " + _FIND_OVERFLOW + "; "
     "`loss_scaling.float16_report` shows whether the model fits float16 at all."
 )
 
 INVALID_SCALE = (
     "the loss scale is {value!r}, not a finite, positive, normal float32 (between {tiny!r} "
-    "and {max!r}), so no step can use it: the run stops (every step is skipped, params and "
-    "optimizer state stay as they were). Such a state never comes out of a constructor or "
-    "an update; it reached the step without validation (a restore that bypassed "
-    "`loss_scaling.restore_loss_scale` / `from_state_dict`, pickle, `tree_unflatten`). "
-    "Restore the loss scale through `loss_scaling.restore_loss_scale` (which validates it)."
+    "and {max!r}), so " + _STOPS + ". It reached the step without validation (pickle, "
+    "`tree_unflatten`, a restore that bypassed `loss_scaling.restore_loss_scale`): restore "
+    "the loss scale through `loss_scaling.restore_loss_scale`, which validates it."
 )
 
 TOO_MANY_SKIPS = (
     "{count} consecutive optimizer steps skipped (max_consecutive_skips={count}); the loss "
     "scale is now {scale!r}. Gradient leaves non-finite on the last skipped step: {leaves}. "
-    "The run is not recovering by backing off, so it stops (every later step is skipped, "
-    "params and optimizer state stay as they were): look for the source of the inf/NaN "
-    "there (or raise max_consecutive_skips). `loss_scaling.find_overflow(loss_fn, *args)` "
-    "names the layer, op and line of the first inf/NaN that matters (forward or backward); "
+    "Backing off does not help, so " + _STOPS + ": look for the source of the inf/NaN there "
+    "(or raise max_consecutive_skips). " + _FIND_OVERFLOW + "; "
     "`loss_scaling.float16_report` shows whether the model fits float16 at all."
 )
 
-
 NONFINITE_LOSS = (
     "the loss was not finite (inf/NaN) on the last of {count} consecutive skipped steps "
-    "(the limit is with_loss_scaling's max_nonfinite_losses), so the run stops (every "
-    "later step is skipped, params and optimizer state stay as they were; the loss scale "
-    "is {scale!r}). The loss "
-    "is computed before it is scaled: a non-finite loss comes from the forward pass "
-    "itself (an overflow in float16, a log of 0, a bad batch), and no loss scale can fix "
-    "it. `loss_scaling.find_overflow(loss_fn, *args)` names the layer, op and line of "
-    "the first inf/NaN that matters; compute that part in float32, or fix the data."
+    "(with_loss_scaling's max_nonfinite_losses; the loss scale is {scale!r}), so " + _STOPS
+    + ". The loss is computed before it is scaled: the forward pass itself fails (a float16 "
+    "overflow, a log of 0, a bad batch), which no loss scale can fix. " + _FIND_OVERFLOW
+    + "; compute that part in float32, or fix the data."
 )
 
 
@@ -160,17 +147,13 @@ SCALER_TOO_MANY_SKIPS = (
     "the run stopped: the optimizer wrapper skipped max_consecutive_skips consecutive steps "
     "(the loss scale is now {scale!r}) and recorded it in this loss scale, so a state saved "
     "from it resumes failed too. `loss_scaling.check(opt_state, params)` names the "
-    "gradient leaves that were non-finite; `loss_scaling.find_overflow(loss_fn, *args)` "
-    "names the layer, op and line of the first inf/NaN that matters."
+    "non-finite gradient leaves; " + _FIND_OVERFLOW + "."
 )
-
 
 SCALER_NONFINITE_LOSS = (
     "the run stopped: the loss given to the optimizer wrapper was not finite on "
     "max_nonfinite_losses consecutive skipped steps (the loss scale is now {scale!r}); the "
-    "forward pass itself produces inf/NaN, which no loss scale can fix. "
-    "`loss_scaling.find_overflow(loss_fn, *args)` names the layer, op and line of the "
-    "first inf/NaN that matters."
+    "forward pass itself fails, which no loss scale can fix. " + _FIND_OVERFLOW + "."
 )
 
 
@@ -223,20 +206,17 @@ def raise_in_graph(newly_failed: jax.Array, message: Callable[..., str], *values
              newly_failed, *values)
 
 
-NOT_A_SCALER = (
-    "{argument} must be a loss-scale state (NoOpLossScale, StaticLossScale or "
-    "DynamicLossScale), got {what}. An optimizer state built with `ls.with_loss_scaling` "
-    "(or a TrainState or nnx Optimizer around one) holds one: `ls.get_loss_scale(opt_state)` "
-    "returns it."
+_MUST_BE_A_SCALER = ("{argument} must be a loss-scale state (NoOpLossScale, StaticLossScale or "
+                     "DynamicLossScale), got ")
+
+NOT_A_SCALER = _MUST_BE_A_SCALER + (
+    "{what}. An optimizer state built with `ls.with_loss_scaling` (or a TrainState or nnx "
+    "Optimizer around one) holds one: `ls.get_loss_scale(opt_state)` returns it."
 )
 
-
-NUMBER_NOT_A_SCALER = (
-    "{argument} must be a loss-scale state (NoOpLossScale, StaticLossScale or "
-    "DynamicLossScale), got the number {value} ({what}): a factor is not a state. For a "
-    "fixed factor pass `ls.StaticLossScale({value})`; for a dynamic one, the state "
-    "`ls.get_loss_scale(opt_state)` returns (from an optimizer built with "
-    "`ls.with_loss_scaling`)."
+NUMBER_NOT_A_SCALER = _MUST_BE_A_SCALER + (
+    "the number {value} ({what}): a factor is not a state. Pass `ls.StaticLossScale({value})`, "
+    "or for a dynamic scale `ls.get_loss_scale(opt_state)` of a `ls.with_loss_scaling` state."
 )
 
 

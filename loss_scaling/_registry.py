@@ -3,8 +3,7 @@
 The core (lookup, checkpoint restore, ``value_and_grad``) asks :func:`hooks` for the
 hooks of the integrations whose framework the program has already imported: a flax
 ``nnx`` object cannot exist unless ``flax.nnx`` was imported, so a pure-optax program
-never imports ``flax.nnx`` or Equinox through loss_scaling. Each integration module
-registers its hooks when it is imported (:func:`register`).
+never imports ``flax.nnx`` or Equinox through loss_scaling.
 """
 
 from __future__ import annotations

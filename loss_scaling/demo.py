@@ -16,10 +16,9 @@ entries flush to exactly zero, the lower layers never learn, and training stalls
 chance. Adam rescales tiny but nonzero gradients, so float32 trains normally, and so does
 float16 once the loss scale lifts the gradients into range.
 
-Everything is generated deterministically from ``--seed`` (no downloads). The output (a
-progress bar, the comparison table, a PNG of the curves) imports nothing optional at import
-time: tqdm and matplotlib come with ``pip install "loss-scaling[demo]"``; without tqdm a
-plain text bar is shown, without matplotlib the PNG is skipped with a message.
+Everything is generated deterministically from ``--seed`` (no downloads). tqdm and
+matplotlib (``pip install "loss-scaling[demo]"``) are optional: without them the progress
+bar is plain text and the PNG of the curves is skipped with a message.
 """
 
 from __future__ import annotations
@@ -153,11 +152,9 @@ def _cross_entropy(model: MLP, params: Any, x: jax.Array, y: jax.Array) -> jax.A
 
 
 def make_train_step(model: MLP, tx: ls.LossScalingTransformation) -> Callable[..., Any]:
-    """The jit-compiled step ``(params, opt_state, x, y) -> (params, opt_state, StepStats)``.
-
-    The loss scaling is all in three calls: ``ls.value_and_grad`` differentiates the scaled
-    loss, ``ls.apply_gradients`` unscales, checks, skips or steps and updates the scale.
-    """
+    """The jit-compiled step ``(params, opt_state, x, y) -> (params, opt_state, StepStats)``:
+    ``ls.value_and_grad`` differentiates the scaled loss, ``ls.apply_gradients`` unscales,
+    checks, skips or steps and updates the scale."""
     grad_fn = ls.value_and_grad(lambda p, x, y: _cross_entropy(model, p, x, y))
 
     @jax.jit

@@ -1,5 +1,4 @@
-"""Gradients of the scaled loss: :func:`value_and_grad`, dispatching to the integrations.
-"""
+"""Gradients of the scaled loss: :func:`value_and_grad`, dispatching to the integrations."""
 
 from __future__ import annotations
 
@@ -20,22 +19,18 @@ __all__ = ["value_and_grad"]
 WRONG_FIRST_ARGUMENT = (
     "The function returned by `loss_scaling.value_and_grad(loss_fn)` takes the loss scale "
     "first, then loss_fn's arguments: `ls.value_and_grad(loss_fn)(optimizer, model, *args)` "
-    "for flax nnx (the nnx.Optimizer or ls.nnx.Optimizer built with "
-    "`ls.with_loss_scaling(...)`), `(state, state.params, *args)` for a TrainState, "
-    "`(opt_state, params, *args)` for optax, or a loss-scale state first. Got {what} as the "
-    "first argument{hint}."
+    "for flax nnx, `(state, state.params, *args)` for a TrainState, `(opt_state, params, "
+    "*args)` for optax, or a loss-scale state first. Got {what} as the first argument{hint}."
 )
 
 
 AUX_NOT_A_PAIR = (
-    "`value_and_grad({name}, has_aux=True)`: with has_aux=True the function must return "
-    "a pair `(loss, aux)`, but {name} returned {what}. Return `loss, aux`, or pass "
-    "has_aux=False if it returns the loss only."
+    "`value_and_grad({name}, has_aux=True)`: the function must return a pair `(loss, aux)`, "
+    "but {name} returned {what}. Return `loss, aux`, or pass has_aux=False."
 )
 PAIR_WITHOUT_AUX = (
-    "`value_and_grad({name}, has_aux=False)`: with has_aux=False the function must return "
-    "the scalar loss only, but {name} returned {what}. If it returns `(loss, aux)`, pass "
-    "has_aux=True."
+    "`value_and_grad({name}, has_aux=False)`: the function must return the scalar loss "
+    "only, but {name} returned {what}. If it returns `(loss, aux)`, pass has_aux=True."
 )
 
 OPTION_TO_RETURNED_FUNCTION = (
@@ -146,13 +141,10 @@ def value_and_grad(
     gradients, ready for ``tx.update`` / :func:`apply_gradients`. Pass the loss on
     (``loss=loss``) so that a non-finite loss is told apart from an overflow.
 
-    Framework modules get their framework's semantics: when an argument is a flax
-    ``nnx`` Module, this is :func:`loss_scaling.nnx.value_and_grad` (``nnx.value_and_grad``:
-    only the optimizer's ``wrt`` variables are differentiated; RNG streams, BatchNorm
-    statistics and other variables are updated in place); when a differentiated argument
-    is an ``equinox.Module``, :func:`loss_scaling.equinox.filter_value_and_grad`
-    (``eqx.filter_value_and_grad``: the floating-point arrays are differentiated, other
-    leaves get ``None``). Plain pytrees get ``jax.value_and_grad``.
+    Framework modules get their framework's semantics: for an ``nnx`` Module argument this
+    is :func:`loss_scaling.nnx.value_and_grad`, for a differentiated ``equinox.Module``
+    :func:`loss_scaling.equinox.filter_value_and_grad`; plain pytrees get
+    ``jax.value_and_grad``.
 
     Args:
       fun: the loss function; returns a scalar loss (or ``(loss, aux)``).
@@ -163,15 +155,11 @@ def value_and_grad(
       ``f(state, *args, **kwargs) -> (loss, grads)`` or ``((loss, aux), grads)``.
 
     Raises:
-      TypeError / ValueError: at call time, when the first argument is not (and does not
-        hold) a loss scale: e.g. the model passed first, or the optimizer forgotten.
-      TypeError: when ``fun``'s output does not match ``has_aux`` (a bare loss with
-        ``has_aux=True``, a tuple or list with ``has_aux=False``), naming both; when
-        ``has_aux=`` or ``argnums=`` is given to the returned function (and ``fun`` has
-        no such parameter) instead of to ``value_and_grad``.
-      ValueError: when the state holds the wrapper inside another transformation (after
-        a clip in ``optax.chain``, ...; :mod:`loss_scaling.wrapper.placement`), and when
-        ``fun`` calls ``ls.scale`` (the loss would be scaled twice).
+      TypeError: at call time, when the first argument is not a loss scale's holder (the
+        model passed first), when ``fun``'s output does not match ``has_aux``, or when
+        ``has_aux=`` / ``argnums=`` is given to the returned function.
+      ValueError: when the first argument holds no loss scale, or the wrapper inside
+        another transformation, or when ``fun`` calls ``ls.scale`` (scaled twice).
 
     Examples:
       >>> import jax.numpy as jnp

@@ -1,5 +1,4 @@
-"""Finding the wrapper's state inside any optimizer state.
-"""
+"""Finding the wrapper's state inside any optimizer state."""
 
 from __future__ import annotations
 
@@ -21,13 +20,12 @@ _NO_CONFIG = (
 
 NOT_A_STATE = {
     "transformation": (
-        "No loss scale found: this is {what}, the optimizer itself, not its state. The loss "
-        "scale is state: pass the state `tx.init(params)` returned (your opt_state), or a "
-        "TrainState / nnx.Optimizer holding it."),
+        "No loss scale found: this is {what}, the optimizer itself, not its state: pass the "
+        "state `tx.init(params)` returned (your opt_state), or a TrainState / nnx.Optimizer "
+        "holding it."),
     "model": (
-        "No loss scale found: this is a model ({what}), not an optimizer. The loss scale "
-        "lives in the optimizer's state: pass the optimizer (`ls.nnx.Optimizer`, "
-        "`nnx.Optimizer`), the TrainState or the opt_state built with "
+        "No loss scale found: this is a model ({what}), not an optimizer: pass the optimizer "
+        "(`ls.nnx.Optimizer`), the TrainState or the opt_state built with "
         "`loss_scaling.with_loss_scaling(...)`."),
 }
 
@@ -37,8 +35,7 @@ def _not_a_state(x: Any) -> str | None:
     None for anything else. Frameworks are recognised by their classes' modules, so
     that none is imported here."""
     if isinstance(x, optax.GradientTransformation):
-        return NOT_A_STATE["transformation"].format(
-            what=f"an optax {type(x).__name__}")
+        return NOT_A_STATE["transformation"].format(what=f"an optax {type(x).__name__}")
     for cls in type(x).__mro__:
         if cls.__name__ == "Module" and cls.__module__.split(".")[0] in ("flax", "equinox"):
             return NOT_A_STATE["model"].format(

@@ -145,8 +145,6 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
                          "keeps the kind; to change it, build the new state from the saved "
                          "scale, e.g. `ls.StaticLossScale(float(saved.loss_scale))`.")
     if isinstance(target, StaticLossScale):
-        # The factor is the static scale's configuration: the target's wins (the saved one
-        # when the target is abstract and has none).
         factor = _static_factor(target)
         return _in_layout(_build(kind, None, values if factor is None
                                  else {"loss_scale": factor}), target)
@@ -166,9 +164,8 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
 
 
 def _adopted_headroom(values: Mapping[str, Any], config: DynamicConfig) -> dict[str, Any]:
-    """The headroom values under a target config: the saved history while its window
-    length is the target's (else the window starts over, empty), the saved ceiling
-    clamped into the target's range (the range's top when none was saved)."""
+    """The headroom values under a target config (as :func:`restore_with_config` says; the
+    ceiling is the range's top when none was saved)."""
     if config.growth != "headroom":
         return {}
     assert config.headroom_window is not None

@@ -22,6 +22,7 @@ from loss_scaling._errors import RestoreError, show
 from loss_scaling.checkpoint.state_dict import _concrete, _host_array
 from loss_scaling.core.scalers import (
     FLOAT_LEAVES,
+    SCALER_TYPES,
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
@@ -32,15 +33,11 @@ from loss_scaling.core.validation import counter_in_range, history_in_range, sca
 from loss_scaling.wrapper.state import LossScalingState
 
 PRE_LOSS_SCALING = (
-    "{where}. Is it a checkpoint written before loss scaling was added (an fp32 run moving "
-    "to float16, its optimizer state a bare optax state)? Such a checkpoint restores with "
-    "its own structure; then start loss scaling from it by placing the old optimizer "
-    "state into the new one's inner state, e.g. `opt_state = "
-    "tx.init(params)._replace(inner_state=old_opt_state)`: see \"Starting loss scaling "
-    "from an existing checkpoint\" in docs/checkpoints.md."
+    "{where}. Is it a checkpoint written before loss scaling was added? Restore it with its "
+    "own structure, then place the old optimizer state into the new one's inner state: "
+    "`opt_state = tx.init(params)._replace(inner_state=old_opt_state)` (docs/checkpoints.md, "
+    "\"Starting loss scaling from an existing checkpoint\")."
 )
-
-_SCALER_CLASSES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 
 # The checked record that flax.serialization stores for a static or dynamic scaler:
 #   magic b"LSR1" | kind u8 (1 static, 2 dynamic, 3 dynamic with growth="headroom") |
@@ -150,12 +147,9 @@ def _flax_to_state_dict(scaler: LossScale) -> Any:
     return {name: getattr(scaler, name) for name in leaf_names(scaler)}
 
 
-_FLAX_ERROR = "cannot restore the loss-scale state at "
-
-
 def _flax_error(message: str) -> RestoreError:
     path = flax.serialization.current_path()
-    return RestoreError(f"{_FLAX_ERROR}{path!r}: {message}")
+    return RestoreError(f"cannot restore the loss-scale state at {path!r}: {message}")
 
 
 def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
@@ -293,7 +287,7 @@ def from_bytes(target: Any, encoded: bytes) -> Any:
       ValueError: cannot decode the bytes for the loss-scale state at './scaler': ...
     """
     def is_scaler(x: Any) -> bool:
-        return isinstance(x, _SCALER_CLASSES)
+        return isinstance(x, SCALER_TYPES)
 
     paths = ["./" + jax.tree_util.keystr(path, simple=True, separator="/") for path, node
              in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_scaler)[0]
@@ -323,7 +317,7 @@ def from_bytes(target: Any, encoded: bytes) -> Any:
                          f"target's structure ({shown}).") from None
 
 
-for _cls in _SCALER_CLASSES:
+for _cls in SCALER_TYPES:
     # override=True: re-importing (or reloading) this module must not fail.
     flax.serialization.register_serialization_state(
         _cls, _flax_to_state_dict, _flax_from_state_dict, override=True)

@@ -257,10 +257,7 @@ def restore(
             f"the loss-scale item {LOSS_SCALE_ITEM!r} of step {step} cannot be read "
             f"({type(error).__name__}: {show(str(error))}): was it saved with "
             "loss_scaling.orbax_save_args, and is the checkpoint intact?") from None
-    if not isinstance(saved, Mapping):
-        raise ValueError(f"the loss-scale item of step {step} is not a state dict: "
-                         f"{show(saved)}.")
-    saved_scaler = from_state_dict(saved)  # validated
+    saved_scaler = from_state_dict(saved)  # validated (a ValueError for a non-dict too)
     # Checked against the target before anything is restored; a concrete target's static
     # factor is compared too (after the restore, the state holds the saved one).
     key = _entry(abstract_state, path)

@@ -1,12 +1,11 @@
 """The JSON state-dict format: :func:`state_dict`, :func:`from_state_dict`, and reading
 values out of untrusted dicts and off devices.
 
-``{"format_version": 1, "kind": ..., "config": {...}, "values": {...}}``. A dict is
-checked field by field (exactly the expected keys, the expected types, float32 values
-exactly), then by :mod:`loss_scaling.core.validation` as construction checks; every
-refusal is a ``ValueError`` that starts with ``invalid loss-scale state dict: `` and names
-the field (``values.loss_scale``). An interval scaler's dict is the one written before
-headroom growth existed; a headroom scaler adds its options and three values.
+A dict is checked field by field (:func:`from_state_dict` says how), then by
+:mod:`loss_scaling.core.validation`; every refusal is a ``ValueError`` that starts with
+``invalid loss-scale state dict: `` and names the field (``values.loss_scale``). An
+interval scaler's dict is the one written before headroom growth existed; a headroom
+scaler adds its options and three values.
 """
 
 from __future__ import annotations
@@ -109,9 +108,8 @@ def _number(name: str, value: Any, below_normal: bool = False) -> float:
     below, above = sorted((float(rounded), float(np.nextafter(
         rounded, np.float32(np.inf if float(rounded) < number else -np.inf)))))
     raise ValueError(f"{name} is {number!r}, which float32 does not represent exactly: the "
-                     f"nearest float32 values are {below!r} and {above!r}. A state dict "
-                     "holds float32 values exactly (state_dict writes them so, and a JSON "
-                     "round trip keeps them): write one of those.")
+                     f"nearest float32 values are {below!r} and {above!r}; a state dict "
+                     "holds float32 values exactly: write one of those.")
 
 
 def _integer(name: str, value: Any) -> int:

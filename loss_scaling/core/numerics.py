@@ -1,48 +1,13 @@
 """The numerics of one step, with the argument for each shortcut next to its code.
 
-* **Which leaves.** Real and complex floating leaves are scaled, unscaled and checked
-  (:func:`is_floating`); each is computed in float32, or float64 for 64-bit parts
-  (:func:`compute_dtype`), complex leaves part by part (:func:`_per_part`).
-* **The reciprocal** (:func:`reciprocal`). Unscaling multiplies by ``r = float32(1 /
-  scale)``, as PyTorch's kernel does. For a scale above 2**126, ``r`` is subnormal and
-  XLA on CPU flushes it to zero, so ``r`` is held as ``lifted * unlift`` with both
-  factors normal. Derivation: a normal float32 ``scale`` is ``m * 2**(e - 150)`` with the
-  biased exponent ``e`` and the integer mantissa ``m`` in ``[2**23, 2**24)``. A scale
-  in ``(2**126, 2**128)`` has ``e - 127`` equal to 126 or 127, i.e. ``e`` is 253 or 254.
-  The subnormal ``r`` is an integer multiple of the smallest subnormal 2**-149:
-  ``r = round(2**149 / scale) * 2**-149 = round(2**(299 - e) / m) * 2**-149``, the
-  quotient ``q = round(2**46 / m)`` (e = 253) or ``round(2**45 / m) = round(2**46 /
-  (2 * m))`` (e = 254), computed by integer long division (:func:`_rounded_quotient`),
-  so rounded once, never twice (and never a tie: see there). ``q`` lies in ``[2**21,
-  2**23]``, so ``lifted = r * 2**64 = q * 2**-85`` (an integer below 2**24 times a
-  power of two: exact, and normal), and ``unlift = 2**-64``. ``(x * lifted) * unlift`` is
-  then ``round(x * q * 2**-85) * 2**-64``, which equals ``round(x * r)`` whenever the
-  result is normal, since multiplying by a power of two between normal numbers commutes
-  with rounding. So ``unscale`` gives PyTorch's bits wherever the result is a normal
-  number. Both factors are at most 1.
-* **Finiteness** (:func:`unscaled_finite_leaves`): the definition is
-  ``all(isfinite(unscale_leaf(x)))`` per leaf, read in one fused reduction: a sum of
-  magnitudes shrunk by ``2**-k`` with ``2**k >= 2 * entries`` (:func:`_bounded_sum`).
-  An inf or NaN entry makes the sum inf or NaN (no cancellation: the terms are >= 0),
-  and each finite term is at most ``max / (2 * entries)``, so finite entries never add up
-  to an overflow: the sum is finite iff every entry is. (A cross-device *max* would drop
-  NaN on XLA CPU; a sum keeps it.)
-* **The CPU screen** (:func:`sum_screen`, in the step's :func:`finite_leaves`): a
-  plain sum of squares of the *scaled* gradients, the one reduction XLA CPU vectorizes
-  (and the gradient norm from the same read). Why a finite sum clears a leaf: the squares
-  are >= 0, so an inf or NaN entry makes the sum inf or NaN; a finite sum therefore
-  proves every scaled entry finite (an overflowed sum proves nothing: the caller then
-  runs the exact test). Why that is enough: with ``scale >= 1`` both reciprocal factors
-  are at most 1, so ``|round(x * r)| <= |x|`` (rounding is monotonic and ``|x|`` is
-  representable), also after the cast back to the leaf's own dtype, where ``x`` came
-  from: unscaling a finite entry cannot overflow. Below scale 1 the screen clears
-  nothing and the exact test runs.
-* **Leaf groups** (:func:`leaf_groups`): on XLA CPU every kernel costs about a
-  microsecond per run, so small leaves of one dtype are concatenated and tested together.
-* **Compile time**: XLA CPU compiles each distinct kernel on its own, so the step keeps
-  their number down: the reciprocal's two factors are one array, and AND-reductions are
-  int8 mins (an AND is rewritten into a tree of kernels); ``benchmarks/compile_time.py``
-  measures it.
+* Which leaves: :func:`is_floating`, :func:`compute_dtype`, :func:`_per_part`.
+* The reciprocal, without a subnormal: :func:`reciprocal`.
+* Finiteness, in one fused reduction per leaf: :func:`_bounded_sum`.
+* The CPU screen, a sum of squares of the scaled gradients: :func:`sum_screen`.
+* Small leaves tested together on XLA CPU: :func:`leaf_groups`.
+* Compile time: XLA CPU compiles each distinct kernel on its own, so the step keeps their
+  number down (the reciprocal's two factors are one array, AND-reductions are int8 mins:
+  :func:`all_rows`); ``benchmarks/compile_time.py`` measures it.
 """
 
 from __future__ import annotations
@@ -96,13 +61,8 @@ def _per_part(x: jax.Array, fn: Any) -> jax.Array:
 
 
 class Reciprocal(NamedTuple):
-    """``r = float32(1 / scale)``, held as ``lifted * unlift`` with both factors normal.
-
-    For a scale up to 2**126, ``r`` is a normal float32: ``lifted = r``, ``unlift = 1``.
-    Above, ``r`` is subnormal (PyTorch keeps it; XLA on CPU flushes it to zero, which
-    would unscale every gradient to 0): then ``lifted = r * 2**64`` and ``unlift =
-    2**-64``, and ``(x * lifted) * unlift`` equals ``x * r`` wherever that product is a
-    normal float32 (the derivation is in the module docstring).
+    """``r = float32(1 / scale)``, held as ``lifted * unlift`` with both factors normal
+    (:func:`reciprocal`: ``lifted = r``, ``unlift = 1`` up to scale 2**126).
 
     Both factors live in one array (``factors[..., 0]``, ``factors[..., 1]``): on XLA CPU
     every scalar a kernel materializes is a kernel to compile, while a slice read by its
@@ -142,13 +102,28 @@ def _rounded_quotient(divisor: jax.Array) -> jax.Array:
 
 
 def reciprocal(scale: jax.Array) -> Reciprocal:
-    """The float32 reciprocal of ``scale`` as a :class:`Reciprocal` (no subnormal in it)."""
+    """The float32 reciprocal of ``scale`` as a :class:`Reciprocal` (no subnormal in it).
+
+    ``r = float32(1 / scale)``, as PyTorch's kernel computes it. For a scale above
+    2**126, ``r`` is subnormal and XLA on CPU flushes it to zero, so it is held as
+    ``lifted * unlift``. Derivation: a normal float32 ``scale`` is ``m * 2**(e - 150)``
+    with the biased exponent ``e`` and the integer mantissa ``m`` in ``[2**23, 2**24)``;
+    in ``(2**126, 2**128)``, ``e`` is 253 or 254. The subnormal ``r`` is an integer
+    multiple of 2**-149: ``r = round(2**149 / scale) * 2**-149 = round(2**(299 - e) / m)
+    * 2**-149``, the quotient ``q = round(2**46 / m)`` (e = 253) or ``round(2**46 / (2 *
+    m))`` (e = 254), computed by integer long division (:func:`_rounded_quotient`), so
+    rounded once, never twice. ``q`` lies in ``[2**21, 2**23]``, so ``lifted = r * 2**64
+    = q * 2**-85`` is exact and normal, and ``unlift = 2**-64``. ``(x * lifted) * unlift``
+    is then ``round(x * q * 2**-85) * 2**-64``, which equals ``round(x * r)`` whenever
+    the result is normal, since multiplying by a power of two between normal numbers
+    commutes with rounding: PyTorch's bits wherever the result is a normal number. Both
+    factors are at most 1.
+    """
     scale = jnp.asarray(scale, jnp.float32)
     bits = lax.bitcast_convert_type(scale, jnp.int32)
     mantissa = (bits & 0x7FFFFF) | 0x800000
-    # The derivation is in the module docstring: where r is subnormal, the biased exponent
-    # e is 253 or 254 and r * 2**149 = round(2**(299 - e) / m) = round(2**46 / divisor)
-    # with divisor = m for e = 253 (odd) and 2 * m for e = 254 (even).
+    # Where r is subnormal: r * 2**149 = round(2**46 / divisor), with divisor = m for
+    # e = 253 (odd) and 2 * m for e = 254 (even).
     even_exponent = (lax.shift_right_logical(bits, jnp.int32(23)) & 1) ^ 1
     quotient = _rounded_quotient(lax.shift_left(mantissa, even_exponent))
     lifted_subnormal = quotient.astype(jnp.float32) * jnp.float32(2.0**-85)  # r * 2**64
@@ -236,12 +211,9 @@ def unscaled_bounded_sum(x: Any, inverse: Reciprocal | None) -> jax.Array:
 def unscaled_finite_leaves(
     tree: Any, inverse: Reciprocal | None, axis_name: AxisName = None
 ) -> tuple[jax.Array, jax.Array]:
-    """Per floating leaf, whether :func:`unscale` of it (by the ``inverse`` of the scale,
-    from :func:`reciprocal`) is all finite.
-
-    The definition itself, ``all(isfinite(unscale_leaf(x)))``, read from the scaled
-    values in one fused reduction per leaf (:func:`_bounded_sum`): the unscaled tree is
-    never materialized. ``inverse=None`` (no scaling) tests the leaves as they are; the
+    """Per floating leaf, ``all(isfinite(unscale_leaf(x)))`` (the definition of a finite
+    step), read from the scaled values by :func:`_bounded_sum`: the unscaled tree is never
+    materialized. ``inverse=None`` (no scaling) tests the leaves as they are; the
     ``axis_name`` collective is a ``pmin`` of one int32 per leaf.
 
     Returns:
@@ -352,10 +324,14 @@ def sum_screen(vector: jax.Array) -> jax.Array:
     """The sum of squares of a group's vector (a scalar, float32 or float64): finite
     only if every entry is, so it screens them for inf and NaN; it also gives the norm.
 
-    An inf or NaN entry makes the sum inf or NaN, so a finite sum proves every entry
-    finite; a sum that overflowed proves nothing (the caller then runs the exact test).
-    On XLA CPU it is one vectorized read of the leaves, as a plain sum is. Complex
-    entries count ``re**2 + im**2``.
+    The squares are >= 0, so an inf or NaN entry makes the sum inf or NaN: a finite sum
+    proves every scaled entry finite (one that overflowed proves nothing; the caller then
+    runs the exact test). That is enough when ``scale >= 1``: both reciprocal factors are
+    then at most 1, so ``|round(x * r)| <= |x|`` (rounding is monotonic and ``|x|`` is
+    representable), also after the cast back to the leaf's dtype, where ``x`` came from:
+    unscaling a finite entry cannot overflow. Below scale 1 the screen clears nothing.
+    On XLA CPU it is one vectorized read of the leaves, as a plain sum is (and it gives
+    the norm). Complex entries count ``re**2 + im**2``.
     """
     compute = compute_dtype(vector.dtype)
     parts = ([jnp.real(vector), jnp.imag(vector)]
@@ -474,14 +450,10 @@ def agree(flags: jax.Array, squares: jax.Array, axis_name: AxisName,
 
 
 def group_peak(x: jax.Array) -> jax.Array:
-    """The largest ``|entry|`` of a group's vector as float32, as
-    :func:`loss_scaling.grads_max` computes it (complex: the modulus).
-
-    The magnitude itself, not the square root of the largest square: a square leaves
-    float32's range for an entry above ~1.8e19 (it would read inf, "no room", for ever
-    with ``headroom_dtype`` float32 or bfloat16) and flushes to 0 below ~1.1e-19 (an
-    empty entry, though the gradients are not zero).
-    """
+    """The largest ``|entry|`` of a group's vector as float32 (complex: the modulus), as
+    :func:`loss_scaling.grads_max` computes it. Not the root of the largest square, which
+    overflows above ~1.8e19 ("no room" for ever with ``headroom_dtype`` float32) and
+    flushes to 0 below ~1.1e-19 (an empty entry, though the gradients are not zero)."""
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
@@ -500,29 +472,22 @@ def finite_leaves(grads: Any, inverse: Reciprocal | None, axis_name: AxisName,
                   measure: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array,
                                                              jax.Array | None]:
     """Per gradient leaf, whether its unscaled values are all finite; their AND; the
-    sum of squares of the (scaled) gradients, in float32, for the norm; and with
-    ``measure`` (``growth="headroom"``: whether the rule records this step's max, a
-    bool) the largest |entry| of the scaled gradients (float32, agreed over
-    ``axis_name``), else None.
+    float32 sum of squares of the scaled gradients, for the norm; and with ``measure``
+    (``growth="headroom"``: whether the rule records this step's max, a bool) the largest
+    |entry| of the scaled gradients (:func:`group_peak`, agreed over ``axis_name``), else
+    None.
 
-    The max is that of the magnitudes (:func:`group_peak`). Off CPU it is a sibling
-    reduction of the same leaves the norm reads (one read), taken in the same collective,
-    on every step.
-    XLA on CPU does not fuse a second reduction into the screen's vectorized sum (a
-    multi-output reduction ran 10-20x slower than the sum, benchmarks/headroom_cost.py):
-    there the max is a second read with its own collective, under a conditional that
-    runs it only on the steps that record it (and are finite); a model of small leaves
-    only, where the conditional costs more than the read, reads it on every step. On the
-    other steps it is 0, which the rule ignores
-    (:func:`loss_scaling.core.update.records_max`).
-
-    On CPU the leaves are first screened by sums of squares, the one reduction XLA CPU
-    vectorizes (about 3x faster than one with the unscale or ``abs`` as its producer,
-    benchmarks/step_breakdown.py), small leaves joined
-    (:func:`leaf_groups`, each read as one vector); why a finite sum clears a group is
-    argued in the module docstring. Only if a group is not cleared does the
-    exact test run (:func:`_exact_flags`, under a conditional). Other backends run the
-    exact test directly: a conditional can cost them a host round trip.
+    On CPU the leaves are first screened by sums of squares (:func:`sum_screen`), the one
+    reduction XLA CPU vectorizes (3x faster than one with the unscale or ``abs`` as its
+    producer, benchmarks/step_breakdown.py), small leaves joined (:func:`leaf_groups`);
+    only a group not cleared runs the exact test (:func:`_exact_flags`, under a
+    conditional). Other backends run the exact test directly (a conditional can cost them
+    a host round trip), the max a sibling reduction of the same read in the same
+    collective. XLA CPU does not fuse a second reduction into the screen's sum (10-20x
+    slower, benchmarks/headroom_cost.py): there the max is a second read with its own
+    collective, under a conditional that runs it only on the steps that record it (and
+    are finite; else 0, which the rule ignores: :func:`loss_scaling.core.update.records_max`);
+    with small leaves only, where the conditional costs more than the read, on every step.
     """
     leaves = jax.tree.leaves(grads)
     groups = leaf_groups(leaves)
@@ -587,8 +552,7 @@ def _exact_flags(leaves: list[Any], groups: list[LeafGroup], vectors: list[jax.A
     stacked = jnp.concatenate(parts)
     if permutation is not None:
         stacked = stacked[permutation]
-    if axis_name is not None:
-        stacked = lax.pmin(stacked.astype(jnp.int32), axis_name) == 1
+    stacked = _and_over_axes(stacked, axis_name)
     return stacked, all_rows(stacked)
 
 

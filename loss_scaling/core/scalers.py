@@ -21,18 +21,13 @@ from loss_scaling._errors import no_such_method, not_a_scaler, show
 from loss_scaling.core.validation import (
     DynamicConfig,
     config_fields,
+    dynamic_config,
     positive_normal_float32,
+    scale_in_range,
     scale_range,
-    validate_dynamic_config,
 )
 
-__all__ = [
-    "DynamicLossScale",
-    "LossScale",
-    "loss_scale_for",
-    "NoOpLossScale",
-    "StaticLossScale",
-]
+__all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", "loss_scale_for"]
 
 
 # ------------------------------------------------------------------------------ states
@@ -201,8 +196,8 @@ class DynamicLossScale:
         headroom_window: int | None = None,
         headroom_dtype: Any = None,
     ) -> None:
-        config, init = validate_dynamic_config(
-            init_scale=init_scale,
+        init = positive_normal_float32("init_scale", init_scale)
+        config = dynamic_config(
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
             growth_interval=growth_interval,
@@ -214,6 +209,7 @@ class DynamicLossScale:
             headroom_window=headroom_window,
             headroom_dtype=headroom_dtype,
         )
+        scale_in_range("init_scale", init, config)
         zero = jnp.zeros((), jnp.int32)
         leaves: tuple[Any, ...] = (jnp.asarray(init, jnp.float32), zero, zero, zero)
         if config.growth == "headroom":
@@ -322,9 +318,8 @@ def loss_scale_for(compute_dtype: Any, **dynamic_options: Any) -> LossScale:
     try:
         dtype = jnp.dtype(compute_dtype)
     except TypeError:
-        raise ValueError(
-            f"compute_dtype must be a floating dtype, got {show(compute_dtype)}.") from None
-    if not jnp.issubdtype(dtype, jnp.floating):
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"compute_dtype must be a floating dtype, got {show(compute_dtype)}.")
     if jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp:  # float16 and narrower
         return DynamicLossScale(**dynamic_options)
@@ -337,7 +332,6 @@ DYNAMIC_LEAVES = ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure"
 """The leaves of a DynamicLossScale with ``growth="interval"``, in flattening order."""
 HEADROOM_LEAVES = (*DYNAMIC_LEAVES, "grad_max_history", "headroom_tracker", "ceiling")
 """The leaves of a DynamicLossScale with ``growth="headroom"``, in flattening order."""
-_DYNAMIC_LEAVES = DYNAMIC_LEAVES
 FLOAT_LEAVES = frozenset({"loss_scale", "grad_max_history", "ceiling"})
 """The float32 leaves of the scalers (the others are int32)."""
 

@@ -1,17 +1,8 @@
-"""Scaling, unscaling and finiteness over pytrees, with the dtype rules.
+"""Scaling, unscaling and finiteness over pytrees, on the step's own definitions.
 
-* Floating leaves take part: real (float64 down to float8 / float4) and complex. Integer
-  and bool leaves pass through untouched (and are ignored by the finiteness test). ``None``
-  and ``optax.MaskedNode`` hold no leaves.
-* :func:`scale` computes in (at least) float32: a float16 loss of 4.0 at scale 2**15 is
-  131072.0, not inf. Complex leaves are scaled part by part.
-* :func:`unscale` multiplies by the float32 reciprocal of the factor (as PyTorch's kernel
-  does; exact for power-of-two factors) in at least float32, and casts each leaf back to
-  its dtype. The reciprocal of a factor above 2**126 is subnormal, which XLA on CPU flushes
-  to zero: it is applied in two exact steps instead (see :class:`Reciprocal`), so the
-  result is the same bits wherever it is a normal number.
-* One definition of a finite step: every element of every floating leaf, unscaled exactly
-  as :func:`unscale` computes it, is finite (:func:`unscaled_finite_leaves`).
+Floating leaves take part, real (float64 down to float8 / float4) and complex; integer and
+bool leaves pass through untouched. The numerics, and why each shortcut is exact, are in
+:mod:`loss_scaling.core.numerics`.
 """
 
 from __future__ import annotations
@@ -46,11 +37,9 @@ __all__ = ["all_finite", "grads_max", "scale", "scaling_a_loss", "unscale"]
 
 SCALED_TWICE = (
     "ls.scale was called inside the loss function given to ls.value_and_grad, which "
-    "scales the loss itself: the loss would be scaled twice (by the scale squared), the "
-    "gradients would overflow or come out scale times too large, and the scale would back "
-    "off without end. Return the plain loss from the loss function, or differentiate "
-    "`ls.scale(s, loss_fn(...))` with `jax.grad` (docs/common_mistakes.md, \"Scaling "
-    "forgotten or doubled\")."
+    "scales the loss itself: the loss would be scaled twice (by the scale squared). Return "
+    "the plain loss from the loss function, or differentiate `ls.scale(s, loss_fn(...))` "
+    "with `jax.grad` (docs/common_mistakes.md, \"Scaling forgotten or doubled\")."
 )
 
 _SCALING_A_LOSS: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -73,10 +62,6 @@ def scale_loss(state: LossScale, loss: Any) -> Any:
     if isinstance(state, NoOpLossScale):
         return loss
     return _times_factor(state.loss_scale, loss)
-
-
-def _check_state(state: Any) -> None:
-    require_scaler("state", state)
 
 
 @jax.jit
@@ -125,7 +110,7 @@ def scale(state: LossScale, tree: Any) -> Any:
       >>> ls.scale(s, jnp.float16(4.0))        # would be inf in float16
       Array(131072., dtype=float32)
     """
-    _check_state(state)
+    require_scaler("state", state)
     if _SCALING_A_LOSS.get():
         raise ValueError(SCALED_TWICE)
     return scale_loss(state, tree)
@@ -160,7 +145,7 @@ def unscale(state: LossScale, tree: Any) -> Any:
       >>> ls.unscale(ls.StaticLossScale(2.0**127), jnp.float32(2.0**127))  # 1/scale is subnormal
       Array(1., dtype=float32)
     """
-    _check_state(state)
+    require_scaler("state", state)
     if isinstance(state, NoOpLossScale):
         return tree
     return _times_reciprocal(state.loss_scale, tree)

@@ -1,5 +1,4 @@
-"""The update rule of :class:`DynamicLossScale` and :func:`update`.
-"""
+"""The update rule of :class:`DynamicLossScale` and :func:`update`."""
 
 from __future__ import annotations
 
@@ -12,12 +11,12 @@ import optax
 from jax import lax
 
 from loss_scaling import _errors
-from loss_scaling._errors import Failure, not_a_scaler
+from loss_scaling._errors import Failure
 from loss_scaling.core.scalers import (
     DynamicLossScale,
     LossScale,
-    NoOpLossScale,
     StaticLossScale,
+    require_scaler,
 )
 from loss_scaling.core.validation import (
     _F32,
@@ -62,6 +61,15 @@ def _as_grads_max(state: LossScale, grads_max: Any) -> jax.Array | None:
     return jnp.asarray(grads_max, jnp.float32) if headroom else None
 
 
+def _grown(config: DynamicConfig, scale: jax.Array) -> jax.Array:
+    """The scale times ``growth_factor``, capped at ``max_scale``; a product beyond float32
+    is no growth."""
+    grown = scale * jnp.float32(config.growth_factor)
+    if config.max_scale is not None:
+        grown = jnp.minimum(grown, jnp.float32(config.max_scale))
+    return jnp.where(jnp.isfinite(grown), grown, scale)
+
+
 def _clean_step(state: DynamicLossScale,
                 grads_max: jax.Array | None) -> dict[str, jax.Array]:
     """The leaves a clean step changes (``nonfinite_tracker`` is then 0)."""
@@ -75,11 +83,7 @@ def _clean_step(state: DynamicLossScale,
     if config.growth == "headroom":
         assert grads_max is not None
         return _headroom_clean(state, grads_max, grows, counted)
-    grown = scale * jnp.float32(config.growth_factor)
-    if config.max_scale is not None:
-        grown = jnp.minimum(grown, jnp.float32(config.max_scale))
-    grown = jnp.where(jnp.isfinite(grown), grown, scale)
-    return {"loss_scale": jnp.where(grows, grown, scale),
+    return {"loss_scale": jnp.where(grows, _grown(config, scale), scale),
             "growth_tracker": jnp.where(grows, jnp.zeros_like(tracker), counted)}
 
 
@@ -108,11 +112,7 @@ def _headroom_clean(state: DynamicLossScale, grads_max: jax.Array, lifts: jax.Ar
     # A window of zeros measured nothing (the gradients are 0, or flushed to 0 below the
     # scale): no jump to the cap, from which the first real gradients would overflow and
     # back off one step at a time; one growth_factor, and a new window to fill first.
-    # (The interval rule's growth: a product beyond float32, max_scale unset, is none.)
-    probe = scale * jnp.float32(config.growth_factor)
-    if config.max_scale is not None:
-        probe = jnp.minimum(probe, jnp.float32(config.max_scale))
-    probe = jnp.minimum(jnp.where(jnp.isfinite(probe), probe, scale), ceiling)
+    probe = jnp.minimum(_grown(config, scale), ceiling)
     empty = ~(peak > 0)
     target = jnp.where(empty, probe, headroom_target(config, peak, cap))
     grows = (counted >= window) & (target > scale)
@@ -123,8 +123,7 @@ def _headroom_clean(state: DynamicLossScale, grads_max: jax.Array, lifts: jax.Ar
 
 
 def _headroom_parts(state: DynamicLossScale) -> tuple[jax.Array, jax.Array, jax.Array, int]:
-    """``(grad_max_history, headroom_tracker, ceiling, headroom_window)`` of a headroom
-    state."""
+    """``(grad_max_history, headroom_tracker, ceiling, headroom_window)``."""
     parts = (state.grad_max_history, state.headroom_tracker, state.ceiling,
              state.config.headroom_window)
     assert all(part is not None for part in parts), "not a growth='headroom' state"
@@ -170,12 +169,10 @@ def _dynamic_step(
 ) -> tuple[DynamicLossScale, jax.Array]:
     """One application of the rule; returns (new state, whether it failed on this step).
 
-    ``backoff=True`` is :func:`backoff_now` (``finite`` False, hysteresis ignored). Fail
-    closed and sticky: a backoff below the normal float32 range, or a scale that is not
-    a positive normal float32 on arrival, records a :class:`Failure` code and keeps every
-    value as it was (the scale at its last valid value, never 0, subnormal or NaN); a
-    failed state never changes again. ``valid``: the scale's validity when the caller
-    has checked it already (the wrapper checks it once a step, :func:`is_positive_normal`).
+    ``backoff=True`` is :func:`backoff_now`. Fail closed and sticky (as :func:`update`
+    says): a failing step records a :class:`Failure` code and keeps every value as it
+    was, and a failed state never changes again. ``valid``: the scale's validity when the
+    caller has checked it already (the wrapper, once a step: :func:`is_positive_normal`).
     """
     config = state.config
     scale, tracker, streak = state.loss_scale, state.growth_tracker, state.nonfinite_tracker
@@ -239,12 +236,9 @@ def step_recorded(state: DynamicLossScale, finite: jax.Array, *, grads_max: Any 
 def backoff_now(state: LossScale) -> LossScale:
     """The rule's non-finite branch applied at once, hysteresis ignored: a replay's backoff.
 
-    The scale times ``backoff_factor`` (clamped at ``min_scale``), ``growth_tracker`` 0,
-    ``nonfinite_tracker`` counted as on a non-finite step, and for ``growth="headroom"``
-    the ceiling set to the backed-off scale and the window started over. A backoff below
-    the normal float32 range fails closed as in :func:`update` under ``jit``: recorded in
-    the state (never raised, eagerly neither), every value kept; a failed state is
-    returned unchanged. ``NoOpLossScale`` and ``StaticLossScale`` are returned as they are.
+    A backoff below the normal float32 range fails closed as in :func:`update` under
+    ``jit``: recorded in the state, never raised (eagerly neither). ``NoOpLossScale`` and
+    ``StaticLossScale`` are returned as they are.
 
     Examples:
       >>> import loss_scaling as ls
@@ -287,8 +281,7 @@ def scaler_failure_message(scaler: DynamicLossScale | StaticLossScale) -> str:
     if code == Failure.TOO_MANY_SKIPS:  # written by the wrapper (one register)
         return _errors.scaler_too_many_skips_message(scaler.loss_scale)
     if code == Failure.NONFINITE_LOSS:  # written by the wrapper too
-        return _errors.SCALER_NONFINITE_LOSS.format(
-            scale=float(np.asarray(scaler.loss_scale, np.float32)))
+        return _errors.SCALER_NONFINITE_LOSS.format(scale=float(scaler.loss_scale))
     return _errors.invalid_scale_message(scaler.loss_scale)
 
 
@@ -346,25 +339,20 @@ def update(
       (1.1754943508222875e-38, 1)
     """
     on_failure = resolve_on_failure(on_failure)
-    if isinstance(state, (NoOpLossScale, StaticLossScale)):
-        _as_finite_flag(grads_finite)
-        _as_grads_max(state, grads_max)
-        return state
-    if not isinstance(state, DynamicLossScale):
-        raise not_a_scaler("state", state)
+    require_scaler("state", state)
     finite = _as_finite_flag(grads_finite)
     peak = _as_grads_max(state, grads_max)
+    if not isinstance(state, DynamicLossScale):
+        return state
     new_state, fails = _run(state, finite, peak)
     if any(_is_traced(x) for x in jax.tree.leaves((state, finite, peak))):
         if on_failure == "raise":
-            _errors.raise_in_graph(fails, _message_from_leaves(new_state.config),
-                                   *jax.tree.leaves(new_state))
+            def message(*leaves: Any) -> str:
+                return scaler_failure_message(DynamicLossScale._from_parts(state.config, leaves))
+
+            _errors.raise_in_graph(fails, message, *jax.tree.leaves(new_state))
         return new_state
     if np.any(np.asarray(new_state.failure)):
         raise _errors.LossScaleError(scaler_failure_message(new_state))
     return new_state
-
-
-def _message_from_leaves(config: DynamicConfig) -> Any:
-    return lambda *leaves: scaler_failure_message(DynamicLossScale._from_parts(config, leaves))
 

@@ -197,14 +197,6 @@ def dynamic_config(
     )
 
 
-def validate_dynamic_config(*, init_scale: Any, **settings: Any) -> tuple[DynamicConfig, float]:
-    """Checks every argument of :class:`DynamicLossScale`; returns the config and scale."""
-    init = positive_normal_float32("init_scale", init_scale)
-    config = dynamic_config(**settings)
-    scale_in_range("init_scale", init, config)
-    return config, init
-
-
 def scale_range(config: DynamicConfig | None) -> tuple[float, float]:
     """``[low, high]`` for a loss scale under ``config`` (``None`` for a static scale):
     float32's normal range, narrowed by ``min_scale`` / ``max_scale``."""

@@ -29,10 +29,6 @@ EXPONENTS = range(-14, 128)
 class LayerHeadroom:
     """One row of :class:`Float16Report`: a layer (or, outside any, a source line).
 
-    Each value is held to its own dtype's range (a float32 statistic of a float16 model
-    to float32's; every value to float16's in a ``hypothetical`` report). Masked inf/NaN
-    and saturated mask fills (``jnp.finfo(dtype).min``) are left out.
-
     Attributes:
       layer: the module path / ``named_scope`` (as in ``OverflowReport.layer``), or
         ``file:line (function)`` for equations outside any scope.
@@ -253,12 +249,9 @@ def _rows(values: list[_Value], scale: float, reaching: set[int],
 
 
 def largest_finite_scale(p: _trace.Problem) -> float | None:
-    """The largest power of two in :data:`EXPONENTS` at which the real step is finite.
-
-    The step (``jax.value_and_grad`` of the loss times the scale) is compiled once and
-    bisected: finite at a power of two is taken as finite at every power below it
-    (cotangents grow with the scale). ``None`` when it is finite at none.
-    """
+    """The largest power of two in :data:`EXPONENTS` at which the real step (compiled
+    once) is finite, bisected: finite at a power of two is taken as finite at every power
+    below it (cotangents grow with the scale). ``None`` when it is finite at none."""
     leaves, loss_times_scale = _trace.scaled_loss_fn(p, scopes=False)
 
     @jax.jit

@@ -9,7 +9,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import jax
-import optax
 from flax import nnx
 
 from loss_scaling import _registry
@@ -24,6 +23,7 @@ from loss_scaling.core.scalers import (
 )
 from loss_scaling.grad import WRONG_FIRST_ARGUMENT, scaled_loss, scaler_of_state
 from loss_scaling.lookup import _get_wrapper_state, get_loss_scale, refuse_misplaced_wrapper
+from loss_scaling.wrapper.placement import wrapper_states_in
 from loss_scaling.wrapper.state import LossScalingState, UnderflowStats, carried_failure
 from loss_scaling.wrapper.transform import apply_gradients
 
@@ -162,9 +162,7 @@ class Optimizer(nnx.Optimizer):
     def __init__(self, model: Any, tx: Any, *, wrt: Any, graph: bool | None = None) -> None:
         super().__init__(model, tx, wrt=wrt, graph=graph)
         refuse_misplaced_wrapper(self.opt_state)
-        for _, state in optax.tree_utils.tree_get_all_with_path(  # holding nnx Variables
-                self.opt_state, LossScalingState.__name__,
-                filtering=lambda _, value: isinstance(value, LossScalingState)):
+        for _, state in wrapper_states_in(self.opt_state):  # holding nnx Variables
             scaler = state.scaler
             if isinstance(scaler, DynamicLossScale):
                 for leaf in jax.tree.leaves(scaler, is_leaf=is_graph_node):
@@ -230,9 +228,8 @@ def _loss_of_params(model: Any, wrt: Any, graph: bool | None,
 
 def unwrap(x: Any) -> Any:
     """``x`` with its nnx Optimizers and States (anywhere, e.g. in ``{"model": ...,
-    "optimizer": nnx.state(optimizer)}``) as optax states, Variables as their values.
-    An ``nnx.State`` holds the wrapper's state as a mapping of its fields: it is rebuilt
-    into a :class:`LossScalingState` (:func:`_from_nnx_state`)."""
+    "optimizer": nnx.state(optimizer)}``) as optax states (:func:`_from_nnx_state`),
+    Variables as their values."""
     def rebuild(node: Any) -> Any:
         if isinstance(node, nnx.Optimizer):
             node = node.opt_state

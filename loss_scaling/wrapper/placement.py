@@ -37,8 +37,7 @@ __all__ = ["misplaced_wrapper_reason", "refuse_not_outermost", "wrapper_states_i
 
 WRAPPER_NOT_OUTERMOST = (
     "This optimizer state holds `ls.with_loss_scaling(...)` inside another transformation "
-    "({outer}, at {where}), which is then outside the loss scaling: {why} Put the "
-    "wrapper outermost, around the whole optimizer: "
+    "({outer}, at {where}): {why} Put the wrapper outermost, around the whole optimizer: "
     "`ls.with_loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), "
     "optax.adamw(schedule)))` (docs/common_mistakes.md, \"Wiring the optimizer\")."
 )
@@ -165,12 +164,10 @@ def _walk_groups(node: Any, path: tuple[Any, ...]) -> str | None:
 
 WRAPPER_INSIDE_MULTISTEPS = (
     "This optimizer state holds `ls.with_loss_scaling(...)` inside `optax.MultiSteps` "
-    "({where}): that order trains nothing after the first overflow "
-    "(MultiSteps resets its accumulator as (1 - emit) * acc, and 0 * inf is NaN, so every "
-    "later window is skipped too). Put the wrapper around the accumulation: "
-    "`ls.with_loss_scaling(optax.MultiSteps(inner, every_k_schedule=k))`, which unscales "
-    "and checks each micro batch on its own (see docs/optax_wrapper.md, "
-    "\"Gradient accumulation\")."
+    "({where}): that order trains nothing after the first overflow (MultiSteps resets its "
+    "accumulator as (1 - emit) * acc, and 0 * inf is NaN). Put the wrapper around the "
+    "accumulation, `ls.with_loss_scaling(optax.MultiSteps(inner, every_k_schedule=k))`, which "
+    "checks each micro batch (docs/optax_wrapper.md, \"Gradient accumulation\")."
 )
 
 
@@ -202,16 +199,13 @@ def refuse_wrapper_inside_multisteps(opt_state: Any) -> None:
 def _multisteps_around_a_wrapper(tree: Any) -> bool:
     """The common answer, no, without key paths: it stops at the outermost states (an
     eager `ls.value_and_grad` pays this on every call, 7 ms for 1,000 leaves with paths)."""
-    def is_wrapper(x: Any) -> bool:
-        return isinstance(x, LossScalingState)
-
     for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(
             x, (optax.MultiStepsState, LossScalingState))):
         if isinstance(x, optax.MultiStepsState):
-            if any(map(is_wrapper, jax.tree.leaves(x.inner_opt_state, is_leaf=is_wrapper))):
+            if _holds_wrapper(x.inner_opt_state):
                 return True
             inner = x.inner_opt_state
-        elif is_wrapper(x):
+        elif _is_wrapper(x):
             inner = x.inner_state
         else:
             continue
@@ -221,15 +215,7 @@ def _multisteps_around_a_wrapper(tree: Any) -> bool:
 
 
 def path_str(path: tuple[Any, ...]) -> str:
-    """A key path as Python would index it, e.g. ``.inner_states['x'].inner_state``."""
-    parts = []
-    for key in path:
-        if isinstance(key, (optax.tree_utils.NamedTupleKey, jax.tree_util.GetAttrKey)):
-            parts.append(f".{key.name}")
-        elif isinstance(key, jax.tree_util.DictKey):
-            parts.append(f"[{key.key!r}]")
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(f"[{key.idx}]")
-        else:
-            parts.append(jax.tree_util.keystr((key,)))
-    return "".join(parts)
+    """A key path as Python would index it, e.g. ``.inner_states['x'].inner_state``
+    (``keystr``, but an optax ``NamedTupleKey`` without its tuple's name)."""
+    return "".join(f".{key.name}" if isinstance(key, optax.tree_utils.NamedTupleKey)
+                   else jax.tree_util.keystr((key,)) for key in path)

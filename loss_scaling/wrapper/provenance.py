@@ -94,12 +94,10 @@ def loss_not_scaled(grads: Any, scale: Any, params: Any) -> bool:
 
 LOSS_NOT_SCALED = (
     "{call}: these gradients were computed from the params without the loss scale that "
-    "the optimizer state holds (they do not depend on it), so the loss was not scaled: "
-    "`jax.value_and_grad` / `jax.grad` instead of `ls.value_and_grad`, or `ls.scale` left "
-    "out. The wrapper divides them by the scale all the same, so every step is 1/scale "
-    "the size it should be and training stalls without an overflow to say so. "
-    "Differentiate the scaled loss: `loss, grads = ls.value_and_grad(loss_fn)(opt_state, "
-    "params, batch)` (docs/common_mistakes.md, \"Scaling forgotten or doubled\")."
+    "the optimizer state holds: the loss was not scaled (`jax.grad` instead of "
+    "`ls.value_and_grad`, or `ls.scale` left out), so every step is 1/scale the size it "
+    "should be. Differentiate the scaled loss: `loss, grads = ls.value_and_grad(loss_fn)"
+    "(opt_state, params, batch)` (docs/common_mistakes.md, \"Scaling forgotten or doubled\")."
 )
 
 

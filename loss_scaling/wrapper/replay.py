@@ -47,9 +47,8 @@ from loss_scaling.wrapper.state import (
 NO_VALUE_FN = (
     "with_loss_scaling(max_replays={n}) recomputes a batch whose gradients overflow, so its "
     "update needs the loss as a function of the params: pass `value_fn=lambda params: "
-    "loss_fn(params, batch)` (the plain, unscaled loss) to tx.update / ls.apply_gradients "
-    "(ls.TrainState.apply_gradients, ls.nnx.Optimizer.update and ls.equinox.apply_gradients "
-    "take it too; docs/replay.md). Or pass max_replays=0 to skip such steps."
+    "loss_fn(params, batch)` (the plain, unscaled loss) to the update (docs/replay.md), or "
+    "max_replays=0 to skip such steps."
 )
 NOT_CALLABLE = "value_fn must be a function of the params returning the loss, got {what}."
 NOT_A_SCALAR = (
@@ -59,14 +58,12 @@ NOT_A_SCALAR = (
 OTHER_STRUCTURE = (
     "value_fn's gradients have the structure {got}, but the gradients passed to the update "
     "have {want}: value_fn must be the loss as a function of the params given to the "
-    "update (the tree the optimizer was initialised with; with optax.lookahead, of the "
-    "fast params, `params.fast`)."
+    "update (with optax.lookahead, of the fast params, `params.fast`)."
 )
 NO_PARAMS = (
     "with_loss_scaling(max_replays={n}) recomputes a batch whose gradients overflow by "
     "calling value_fn on the params, but the update got params=None: pass them, "
-    "`tx.update(grads, opt_state, params, value_fn=...)` (or use ls.apply_gradients), or "
-    "pass max_replays=0 to skip such steps."
+    "`tx.update(grads, opt_state, params, value_fn=...)`, or pass max_replays=0."
 )
 
 
