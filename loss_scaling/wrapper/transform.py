@@ -1,20 +1,11 @@
 """The Optax wrapper and its one guarded step, in the order it runs.
 
-``with_loss_scaling(inner, scaler)`` returns a transformation whose ``update`` takes the
-gradients of the *scaled* loss; :func:`apply_gradients` finds the same step through
-``tx.update.options`` (the :class:`WrapperOptions` set on the update function, so a
-transformation rebuilt around ``tx.init`` / ``tx.update`` keeps it) and runs it fused,
-``apply_updates`` under the skip decision. Both call :func:`guarded_step`:
-
-1. :func:`decide`: one read of the raw gradients (:func:`~loss_scaling.core.numerics.
-   finite_leaves`: the finite flag per leaf, the norm, for ``growth="headroom"`` the max),
-   the ``loss=`` and the state's health; the scale's validity checked once.
-2. Replay, only with ``max_replays`` (:mod:`loss_scaling.wrapper.replay`, one call).
-3. Under one ``lax.cond`` (or a select): unscale, the inner update and, fused,
-   ``apply_updates`` (:func:`_inner_step`). A skip returns the inner state untouched and
-   ``-0.0`` updates (``p + -0.0 == p`` bit for bit) or, fused, the params themselves.
-4. :func:`_next_state`, always, last: the scaler's next state (the rule in
-   :mod:`loss_scaling.core.update`), the counters, the failure register.
+:func:`with_loss_scaling` sets its :class:`WrapperOptions` on ``tx.update`` (so a
+transformation rebuilt around ``tx.init`` / ``tx.update`` keeps them), where
+:func:`apply_gradients` finds them to run the step fused. Both paths call
+:func:`guarded_step`: :func:`decide` (the one read of the gradients), replay (only with
+``max_replays``), :func:`_inner_step` under one ``lax.cond`` or select, and
+:func:`_next_state`, always, last (docs/architecture.md, "One step, in order").
 """
 
 from __future__ import annotations
@@ -493,13 +484,9 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
 
 def _stepped_scaler(scaler: LossScale, finite: jax.Array, grads_max: jax.Array | None,
                     valid: jax.Array) -> LossScale:
-    """The scaler's next state, a failure recorded but never raised (eager included).
-
-    The wrapper decides afterwards whether that step counts (``nonfinite_loss="skip"``
-    discards it on a non-finite loss) and raises an eager failure itself (:func:`_report`).
-    ``grads_max``: the scaled gradients' max |entry|, for ``growth="headroom"``;
-    ``valid``: the scale's validity, checked once in :func:`decide`.
-    """
+    """The scaler's next state, a failure recorded but never raised (eager included): the
+    wrapper decides whether the step counts (``nonfinite_loss="skip"``) and raises itself
+    (:func:`_report`)."""
     if isinstance(scaler, DynamicLossScale):
         return step_recorded(scaler, finite, grads_max=grads_max, valid=valid)
     return scaler
