@@ -204,15 +204,14 @@ def nonfinite_grad_paths(opt_state: Any, params: Any, path: str | None = None) -
     return [name for name, flag in zip(names, flagged, strict=True) if flag]
 
 
-def _host(x: Any) -> np.ndarray:
-    """A replicated (or single-device) array's value on this host, without a gather.
+def _local(x: Any) -> Any:
+    """A replicated (or single-device) array's value on this host, without a gather: in a
+    multi-process run the loss-scale leaves are replicated, so the first shard is whole."""
+    return x.addressable_data(0) if isinstance(x, jax.Array) and not x.is_fully_addressable else x
 
-    Arrays of a multi-process run are not fully addressable; their loss-scale leaves are
-    replicated, so this process's first shard holds the whole value.
-    """
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        x = x.addressable_data(0)
-    return np.asarray(x)
+
+def _host(x: Any) -> np.ndarray:
+    return np.asarray(_local(x))
 
 
 def _first_failing(tree: Any, failure: np.ndarray) -> Any:
@@ -226,10 +225,8 @@ def _first_failing(tree: Any, failure: np.ndarray) -> Any:
 
 def _read_once(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
     """The host values of a few small arrays (None stays None), in one device read."""
-    local = [x.addressable_data(0) if isinstance(x, jax.Array) and not x.is_fully_addressable
-             else x for x in arrays]
     return tuple(None if x is None else np.asarray(x)
-                 for x in jax.device_get(local))
+                 for x in jax.device_get([_local(x) for x in arrays]))
 
 
 def _failure_code(failure: np.ndarray | None, scale: np.ndarray | None) -> np.ndarray:
@@ -307,11 +304,9 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
         failure, scale = _read_once((getattr(state, "failure", None), state.loss_scale))
         failure = _failure_code(failure, scale)
         if np.any(failure != _errors.Failure.NONE):
-            failed = _first_failing(state, failure)
-            if isinstance(failed, DynamicLossScale):
-                code = failure.reshape(-1)[int(np.argmax(failure.reshape(-1) != 0))]
-                failed = failed._replace(failure=np.asarray(code, np.int32))
-            raise _errors.LossScaleError(scaler_failure_message(failed))
+            if isinstance(state, DynamicLossScale):  # the code found, also INVALID_SCALE
+                state = state._replace(failure=failure)
+            raise _errors.LossScaleError(scaler_failure_message(_first_failing(state, failure)))
         return
     refuse_misplaced_wrapper(state)
     wrapper = _get_wrapper_state(state, path)
