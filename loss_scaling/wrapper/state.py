@@ -92,7 +92,10 @@ class LossScalingState(NamedTuple):
         ``consecutive_skips`` and a skipped one makes it positive (it saturates)."""
         return self.consecutive_skips == 0
 
-    last_step_finite = last_step_applied  # the old name, kept while callers move
+    @property
+    def last_step_finite(self) -> jax.Array:
+        """The old name of :attr:`last_step_applied` (kept while callers move)."""
+        return self.last_step_applied
 
 
 class UnderflowStats(NamedTuple):
