@@ -11,7 +11,10 @@ also carry ``@pytest.mark.slow`` itself.
 
 from __future__ import annotations
 
+import os
 import pathlib
+import shutil
+import tempfile
 
 import pytest
 
@@ -194,3 +197,24 @@ def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) 
         return None
     path = collection_path.relative_to(config.rootpath).as_posix()
     return None if path.startswith(tuple(NUMERICS_FILES)) else True
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each test process compiles a program that another test of it compiled already (the
+    same step, from a new closure) once: XLA's executables go to a persistent compilation
+    cache in a fresh folder of this process's own, removed at the end (nothing is reused
+    from an earlier run). A cache hit needs the same program text (debug info aside), XLA
+    flags and backend, so the AVX2 pass compiles anew; programs with host callbacks are
+    never cached (jax's rule). Tracing and lowering still run in every test.
+    ``LS_TEST_COMPILATION_CACHE=0`` turns it off."""
+    if os.environ.get("LS_TEST_COMPILATION_CACHE", "1") == "0":
+        return
+    if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        return  # xdist's controller runs no test
+    import jax
+
+    folder = tempfile.mkdtemp(prefix="ls-test-xla-cache-")
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

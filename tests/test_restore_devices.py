@@ -86,8 +86,9 @@ import argparse, hashlib, os, pathlib
 parser = argparse.ArgumentParser()
 parser.add_argument("--process-id", type=int)
 parser.add_argument("--coordinator")
-parser.add_argument("--checkpoint", type=pathlib.Path)
-parser.add_argument("--steps", type=int)          # train until this step, then save
+# Each --run trains from its checkpoint folder's latest step (or from the start) until
+# STEPS, then saves: several runs in one launch share the process and its compiled step.
+parser.add_argument("--run", nargs=2, action="append", metavar=("CHECKPOINT", "STEPS"))
 args = parser.parse_args()
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import jax, jax.numpy as jnp, numpy as np, optax, orbax.checkpoint as ocp
@@ -112,24 +113,26 @@ def step(state, x):
     return {"params": params, "opt_state": opt_state}
 
 rows = NamedSharding(mesh, P("data"))
-with ocp.CheckpointManager(args.checkpoint.absolute()) as mngr:
-    state, start = make_state(), 0
-    if mngr.latest_step() is not None:
-        state = ls.orbax_restore(mngr, jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
-        start = mngr.latest_step()
-        same = [a.sharding.is_equivalent_to(b.sharding, a.ndim)
-                for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(make_state()))]
-        print("placed", all(same))
-    for t in range(start, args.steps):
-        x = np.random.default_rng([t, jax.process_index()]).normal(size=(4, 4))
-        if t == 2 and jax.process_index() == 1:
-            x[0, 0] = np.inf
-        state = step(state, jax.make_array_from_process_local_data(rows, x.astype(np.float32)))
-    mngr.save(args.steps, args=ls.orbax_save_args(state))
-    mngr.wait_until_finished()
-digest = hashlib.sha256(b"".join(np.asarray(x.addressable_data(0)).tobytes()
-                                 for x in jax.tree.leaves(state))).hexdigest()
-print("final", digest, float(ls.get_loss_scale(state).loss_scale))
+for checkpoint, steps in args.run:
+    with ocp.CheckpointManager(pathlib.Path(checkpoint).absolute()) as mngr:
+        state, start = make_state(), 0
+        if mngr.latest_step() is not None:
+            state = ls.orbax_restore(mngr, jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
+            start = mngr.latest_step()
+            same = [a.sharding.is_equivalent_to(b.sharding, a.ndim)
+                    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(make_state()))]
+            print("placed", all(same))
+        for t in range(start, int(steps)):
+            x = np.random.default_rng([t, jax.process_index()]).normal(size=(4, 4))
+            if t == 2 and jax.process_index() == 1:
+                x[0, 0] = np.inf
+            x = jax.make_array_from_process_local_data(rows, x.astype(np.float32))
+            state = step(state, x)
+        mngr.save(int(steps), args=ls.orbax_save_args(state))
+        mngr.wait_until_finished()
+    digest = hashlib.sha256(b"".join(np.asarray(x.addressable_data(0)).tobytes()
+                                     for x in jax.tree.leaves(state))).hexdigest()
+    print("final", digest, float(ls.get_loss_scale(state).loss_scale))
 jax.distributed.shutdown()
 '''
 
@@ -141,21 +144,24 @@ def test_orbax_helpers_resume_on_two_processes_bit_identically(tmp_path):
     program = tmp_path / "program.py"
     program.write_text(PROGRAM)
 
-    def launch(name, steps, checkpoint):
+    def launch(name, runs):
         def argv(i, port):
             return [sys.executable, str(program), "--process-id", str(i), "--coordinator",
-                    f"127.0.0.1:{port}", "--checkpoint", str(checkpoint), "--steps", str(steps)]
+                    f"127.0.0.1:{port}", *[a for folder, steps in runs
+                                           for a in ("--run", str(folder), str(steps))]]
 
         run_processes(argv, 2, tmp_path / name, port=free_port(), timeout=300)
         return [(tmp_path / name / f"process_{i}.stdout").read_text().split("\n")
                 for i in range(2)]
 
-    straight = launch("straight", 6, tmp_path / "a")
-    launch("first", 3, tmp_path / "b")
-    resumed = launch("resumed", 6, tmp_path / "b")
+    # The uninterrupted run and the first half of the interrupted one share a launch; the
+    # second half resumes in a fresh one.
+    straight = launch("straight_and_first", [(tmp_path / "a", 6), (tmp_path / "b", 3)])
+    resumed = launch("resumed", [(tmp_path / "b", 6)])
     for i in range(2):
-        final = [line for line in straight[i] if line.startswith("final")]
-        assert len(final) == 1 and final[0].endswith(" 8192.0")   # grown, backed off, grown
+        finals = [line for line in straight[i] if line.startswith("final")]  # a's, then b's
+        assert len(finals) == 2 and finals[0].endswith(" 8192.0")  # grown, backed off, grown
+        final = finals[:1]
         assert [line for line in resumed[i] if line.startswith("final")] == final
         assert "placed True" in resumed[i]
     metadata = tmp_path / "b" / "3" / "loss_scale" / "metadata"

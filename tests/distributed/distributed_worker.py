@@ -415,6 +415,10 @@ def per_replica(x: Any, stacked: bool = False) -> np.ndarray:
     return np.stack([value.reshape(()) for _, value in copies(x, stacked)])
 
 
+# (path, api, skip, scaler type and configuration, path options) -> an earlier run's build.
+BUILT: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+
 def run(path: str, api: str, skip: str, *, scale: ls.LossScale | None = None,
         steps: int = N_STEPS, always_overflow: bool = False, **path_kwargs: Any) -> dict:
     """Trains ``steps`` steps on one path; returns per-step host copies of everything."""
@@ -422,8 +426,14 @@ def run(path: str, api: str, skip: str, *, scale: ls.LossScale | None = None,
     stacked = path == "pmap"
     global_value = (lambda a: host(a)[0]) if stacked else host
 
-    tx, step, place, feed = build(api, skip, scaler() if scale is None else scale,
-                                  **path_kwargs)
+    scale = scaler() if scale is None else scale
+    tx, step, place, feed = build(api, skip, scale, **path_kwargs)
+    # A run whose step is the same program as an earlier run's (the same path, options and
+    # scaler configuration: only the initial scale, a value in the state, differs) reuses
+    # that run's compiled step; its own tx still makes (and re-makes) the initial state.
+    key = (path, api, skip, type(scale), repr(getattr(scale, "config", None)),
+           repr(sorted(path_kwargs.items())))
+    _, step, place, feed = BUILT.setdefault(key, (tx, step, place, feed))
     TRACES[0] = 0
     params, opt_state = place(init_params(), tx.init(init_params()))
     out: dict[str, Any] = {"steps": [], "kept": [], "error": None}
