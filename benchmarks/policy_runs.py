@@ -301,7 +301,7 @@ def make_train_step(loss_fn: Callable[..., jax.Array], tx: ls.LossScalingTransfo
                                                **replay_args)
         m = ls.metrics(opt_state)
         return params, opt_state, StepRecord(
-            loss, m["loss_scale"], m["last_step_finite"], m["last_step_replays"],
+            loss, m["loss_scale"], m["last_step_applied"], m["last_step_replays"],
             m["zero_grad_fraction"], m["small_grad_fraction"])
 
     return train_step

@@ -212,10 +212,10 @@ def run(fused, steps=STEPS):
         ref = reference_step(model, state, opt_state.inner_state, scale, x, y, key, poison)
         model, state, opt_state, loss, m = step(model, state, opt_state, x, y, key, poison)
         ref_params, ref_state, ref_adam, ref_loss, finite = ref
-        record["applied"].append(bool(m["last_step_finite"]))
+        record["applied"].append(bool(m["last_step_applied"]))
         record["losses"].append(float(loss))
         record["lockstep"].append(dict(
-            decision=bool(finite) == bool(m["last_step_finite"]),
+            decision=bool(finite) == bool(m["last_step_applied"]),
             loss=np.isclose(float(loss), float(ref_loss), rtol=1e-6, atol=0),
             state=all(np.array_equal(a, b) for a, b in zip(
                 bitwise.bits(ref_state), bitwise.bits(state), strict=True)),
@@ -354,7 +354,7 @@ def test_int_and_bool_array_leaves_are_not_trained_and_a_skip_keeps_everything(f
         model, opt_state, loss = step(model, opt_state, jnp.asarray(float(i == 2), F32))
         losses.append(float(loss))
         if i == 2:  # the injected overflow: skipped, every array bit-identical
-            assert not bool(ls.metrics(opt_state)["last_step_finite"])
+            assert not bool(ls.metrics(opt_state)["last_step_applied"])
             bitwise.assert_bit_identical(before, (model, opt_state.inner_state))
     assert int(ls.metrics(opt_state)["skipped_steps"]) == 1
     assert losses[-1] < 0.5 * losses[0]

@@ -235,7 +235,7 @@ def test_ls_train_state_fused_matches_flax_train_state_plain_and_skips_exactly()
                 assert np.isnan(float(loss))
                 assert_bit_identical(before, (state.params, state.opt_state.inner_state))
             else:
-                assert bool(ls.metrics(state)["last_step_finite"])
+                assert bool(ls.metrics(state)["last_step_applied"])
                 assert changed(before, (state.params, state.opt_state.inner_state))
                 losses.append(float(loss))
         # float16 params, two differently fused programs: equal up to a few float16 ulps
@@ -329,27 +329,27 @@ def test_docs_optax_snippet_runs_both_paths_and_skips_nan_steps():
 def wrapper_metrics(opt_state):
     m = ls.metrics(opt_state)
     return (float(m["loss_scale"]), int(m["skipped_steps"]), int(m["consecutive_skips"]),
-            bool(m["last_step_finite"]))
+            bool(m["last_step_applied"]))
 
 
 def test_docs_train_state_snippet_runs_and_skips_a_nan_step():
     ns = docs_block("linen.md", "train_state")
     state, train_step, x, y = ns["state"], ns["train_step"], ns["x"], ns["y"]
     assert isinstance(state, ls.TrainState)
-    assert set(ns["metrics"]) >= {"loss_scale", "skipped_steps", "last_step_finite"}
+    assert set(ns["metrics"]) >= {"loss_scale", "skipped_steps", "last_step_applied"}
     first_loss = float(ns["loss"])
     for _ in range(4):                 # the default 2**15 may overflow first: it backs off
         state, loss, metrics = train_step(state, x, y)
-    assert bool(metrics["last_step_finite"]) and float(loss) < first_loss
+    assert bool(metrics["last_step_applied"]) and float(loss) < first_loss
     scale, skipped = float(metrics["loss_scale"]), int(metrics["skipped_steps"])
     before = bits((state.params, state.opt_state.inner_state))
     state, loss, metrics = train_step(state, x.at[0, 0].set(NAN), y)
-    assert np.isnan(float(loss)) and not bool(metrics["last_step_finite"])
+    assert np.isnan(float(loss)) and not bool(metrics["last_step_applied"])
     assert_bit_identical(before, (state.params, state.opt_state.inner_state))
     assert float(metrics["loss_scale"]) == scale / 2
     assert int(metrics["skipped_steps"]) == skipped + 1
     state, loss, metrics = train_step(state, x, y)
-    assert bool(metrics["last_step_finite"])
+    assert bool(metrics["last_step_applied"])
 
 
 def test_docs_batchnorm_dropout_recipe_trains_and_a_skip_keeps_the_new_batch_stats():
@@ -383,7 +383,7 @@ def test_docs_batchnorm_dropout_recipe_trains_and_a_skip_keeps_the_new_batch_sta
                                 x, train=True, rngs={"dropout": key}, mutable=["batch_stats"])
     forward = jax.tree.map(np.asarray, forward["batch_stats"])
     state, loss, metrics = train_step(state, x, y)
-    assert np.isfinite(float(loss)) and not bool(metrics["last_step_finite"])
+    assert np.isfinite(float(loss)) and not bool(metrics["last_step_applied"])
     assert_bit_identical(before, (state.params, state.opt_state.inner_state))
     assert int(state.step) == 1                                 # counted, as in flax
     for new, fwd, old in zip(jax.tree.leaves(state.batch_stats), jax.tree.leaves(forward),
@@ -399,7 +399,7 @@ def test_docs_nnx_snippet_runs_and_skips_a_nan_step():
     first_loss = float(ns["loss"])
     for _ in range(4):                 # the default 2**15 may overflow first: it backs off
         loss, metrics = train_step(model, optimizer, x, y)
-    assert bool(metrics["last_step_finite"]) and float(loss) < first_loss
+    assert bool(metrics["last_step_applied"]) and float(loss) < first_loss
     scale, skipped = float(metrics["loss_scale"]), int(metrics["skipped_steps"])
 
     def params_and_inner_state():
@@ -411,13 +411,13 @@ def test_docs_nnx_snippet_runs_and_skips_a_nan_step():
     count = adam_count()
     before = bits(params_and_inner_state())
     loss, metrics = train_step(model, optimizer, x.at[0, 0].set(NAN), y)
-    assert np.isnan(float(loss)) and not bool(metrics["last_step_finite"])
+    assert np.isnan(float(loss)) and not bool(metrics["last_step_applied"])
     assert_bit_identical(before, params_and_inner_state())
     assert adam_count() == count                          # adamw did not count the skip
     assert float(metrics["loss_scale"]) == scale / 2
     assert int(metrics["skipped_steps"]) == skipped + 1
     loss, metrics = train_step(model, optimizer, x, y)
-    assert bool(metrics["last_step_finite"]) and adam_count() == count + 1
+    assert bool(metrics["last_step_applied"]) and adam_count() == count + 1
 
 
 # ---------------------------------------------------------------- gradient accumulation

@@ -256,7 +256,7 @@ def test_a_skipped_step_keeps_the_forward_pass_updates_and_nothing_else(fused, m
     step(optimizer, model, jnp.ones((), F32))              # overflow injected: skipped
     forward_only(twin)
     m = ls.metrics(optimizer)
-    assert not bool(m["last_step_finite"]) and int(m["skipped_steps"]) == 1
+    assert not bool(m["last_step_applied"]) and int(m["skipped_steps"]) == 1
     assert float(m["loss_scale"]) == INIT_SCALE / 2
     assert int(optimizer.step[...]) == 1                   # counts every call
     assert_bit_identical(params, nnx.state(model, nnx.Param))
@@ -340,7 +340,7 @@ def wrapper_run(fused, steps=STEPS, model=None, optimizer=None, start=0, lockste
                 dst.set_value(src.get_value())
             scale = ls.get_loss_scale(optimizer).loss_scale
         loss, m = step(optimizer, model, x, y, poison)
-        applied.append(bool(m["last_step_finite"]))
+        applied.append(bool(m["last_step_applied"]))
         losses.append(float(loss))
         if lockstep:
             twin_loss, grads, finite = ref_grads_of(twin, x, y, poison, scale)

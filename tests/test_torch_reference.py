@@ -295,7 +295,7 @@ def test_unscale_and_skip_decision_match_torchs_kernel(tree, scale):
     opt_state = with_scale(IDENTITY, grads, scale)
     for step in IDENTITY_STEPS:
         _, new_state = step(grads, opt_state, grads)
-        our_skip = not bool(new_state.last_step_finite)
+        our_skip = not bool(new_state.last_step_applied)
         assert our_skip == expected_skip, (tree, scale, found_inf)
         assert our_skip or not found_inf              # torch's skips are a subset of ours
     assert (not bool(ls.all_finite(ls.unscale(s, grads)))) == expected_skip
@@ -336,7 +336,7 @@ def test_the_one_difference_occurs_where_unscaling_overflows():
         opt_state = with_scale(SGD, grads, scale)
         for name, step in SGD_STEPS:
             new_params, new_state = step(grads, opt_state, jax.tree.map(jnp.asarray, params))
-            assert not bool(new_state.last_step_finite), name
+            assert not bool(new_state.last_step_applied), name
             assert int(new_state.skipped_steps) == 1
             assert_bit_identical(bits(params), new_params)
 
@@ -519,7 +519,7 @@ def test_a_wrapper_step_matches_a_gradscaler_step_with_sgd(pg, scale):
     torch_nonfinite = any(not np.isfinite(as_f64(u)).all() for u in unscaled.values())
     for name, step in SGD_STEPS:
         new_params, state = step(jgrads, opt_state, jparams)
-        skipped = not bool(state.last_step_finite)
+        skipped = not bool(state.last_step_applied)
         assert skipped == (found_inf or torch_nonfinite), name
         event("skipped" if skipped else "applied")
         if skipped and not found_inf:

@@ -588,7 +588,7 @@ def test_metrics_are_arrays_with_documented_keys(maybe_jit, scaler, tracker):
     _, opt_state = tx.update(jnp.ones(2), opt_state, params)
     m = maybe_jit(ls.metrics)(opt_state)
     assert set(m) == {"loss_scale", "growth_tracker", "skipped_steps", "consecutive_skips",
-                      "last_step_applied", "last_step_finite", "nonfinite_loss_steps",
+                      "last_step_applied", "nonfinite_loss_steps",
                       "nonfinite_grad_leaves", "failed", "failure", "clean_growths",
                       "scale_suspicious", "grad_norm", "replays", "last_step_replays"}
     for value in m.values():
@@ -596,7 +596,6 @@ def test_metrics_are_arrays_with_documented_keys(maybe_jit, scaler, tracker):
     assert {k: v.dtype for k, v in m.items()} == {
         "loss_scale": jnp.float32, "growth_tracker": jnp.int32, "skipped_steps": jnp.int32,
         "consecutive_skips": jnp.int32, "last_step_applied": jnp.bool_,
-        "last_step_finite": jnp.bool_,
         "nonfinite_loss_steps": jnp.int32, "nonfinite_grad_leaves": jnp.int32,
         "failed": jnp.bool_, "failure": jnp.int32, "clean_growths": jnp.int32,
         "scale_suspicious": jnp.bool_, "grad_norm": jnp.float32, "replays": jnp.int32,

@@ -92,11 +92,6 @@ class LossScalingState(NamedTuple):
         ``consecutive_skips`` and a skipped one makes it positive (it saturates)."""
         return self.consecutive_skips == 0
 
-    @property
-    def last_step_finite(self) -> jax.Array:
-        """The old name of :attr:`last_step_applied` (kept while callers move)."""
-        return self.last_step_applied
-
 
 class UnderflowStats(NamedTuple):
     """Per gradient leaf, how much of the last step's gradient float16 could not hold.

@@ -48,7 +48,7 @@ SKIPPED = sorted({*BATCH_INF_STEPS, *BATCH_NAN_STEPS, *GRAD_NAN_STEPS})
 EXPECTED_SCALES = [1024, 2048, 1024, 1024, 2048, 1024, 512, 512, 1024, 512, 512, 1024]
 RUN_IDS = ["/".join(r) for r in RUNS]
 METRICS = ("loss_scale", "growth_tracker", "skipped_steps", "consecutive_skips",
-           "last_step_finite")
+           "last_step_applied")
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,7 @@ def reference(results: dict[str, Any]) -> dict[str, Any]:
 def test_reference_run_is_as_scripted(results):
     ref = reference(results)
     assert [float(s["metrics"]["loss_scale"][0]) for s in ref["steps"]] == EXPECTED_SCALES
-    finite = [bool(s["metrics"]["last_step_finite"][0]) for s in ref["steps"]]
+    finite = [bool(s["metrics"]["last_step_applied"][0]) for s in ref["steps"]]
     assert finite == [i not in SKIPPED for i in range(N_STEPS)]
     assert ref["traces"] == 1
 
@@ -164,7 +164,7 @@ def test_every_device_skips_together(results, run_id):
             assert (copies == copies[0]).all(), (i, name, copies)
             # ls.metrics inside the step agrees with ls.metrics on the returned state.
             np.testing.assert_array_equal(step["inside"][name], copies, err_msg=name)
-        assert bool(step["metrics"]["last_step_finite"][0]) == (i not in SKIPPED), i
+        assert bool(step["metrics"]["last_step_applied"][0]) == (i not in SKIPPED), i
         if i in SKIPPED:  # bit-identical to before the skipped step
             previous = run["steps"][i - 1]
             assert bits(step["params"]) == bits(previous["params"]), i
@@ -240,7 +240,7 @@ def test_without_the_reduction_replicas_drift_apart(results, control):
     assert all(s["distinct"] == 1 for s in run["steps"][:first_bad])
     bad = run["steps"][first_bad]
     assert bad["distinct"] > 1
-    finite = bad["metrics"]["last_step_finite"]
+    finite = bad["metrics"]["last_step_applied"]
     assert finite.tolist() == [i != BAD_DEVICE for i in range(N_DEVICES)]
     assert len(set(bad["metrics"]["loss_scale"].tolist())) == 2
 

@@ -79,7 +79,7 @@ EXPECTED_SCALES = [1024.0, 2048.0, 1024.0, 1024.0, 2048.0, 1024.0, 1024.0, 2048.
 PATHS = ("jit", "shard_map", "shard_map_unchecked", "pmap")
 EXACT_PATHS = ("shard_map_unchecked",)  # the gradient mean in a fixed order
 METRICS = ("loss_scale", "growth_tracker", "skipped_steps", "consecutive_skips",
-           "last_step_finite")
+           "last_step_applied")
 PORT_TAKEN = re.compile(r"Failed to start RPC server|Failed to add port|address already in use",
                         re.IGNORECASE)
 
@@ -340,7 +340,7 @@ def test_every_process_skips_and_backs_off_together(runs, path):
             assert len(set(copies)) == 1, (i, name, copies)
     for r in results:
         assert metric(r["steps"], "loss_scale") == EXPECTED_SCALES
-        assert metric(r["steps"], "last_step_finite") == [i not in SKIPPED
+        assert metric(r["steps"], "last_step_applied") == [i not in SKIPPED
                                                          for i in range(N_STEPS)]
         assert metric(r["steps"], "skipped_steps") == [sum(j in SKIPPED for j in range(i + 1))
                                                       for i in range(N_STEPS)]
@@ -390,7 +390,7 @@ def test_without_the_pmin_the_processes_drift_apart(runs):
     first_bad = SKIPPED[1]
     for i in range(first_bad):
         assert_one_pattern_per_shard([r["steps"][i]["state"] for r in results], str(i))
-    finite = [c for r in results for c in r["steps"][first_bad]["metrics"]["last_step_finite"]]
+    finite = [c for r in results for c in r["steps"][first_bad]["metrics"]["last_step_applied"]]
     assert finite == [True] * (n * DEVICES_PER_PROCESS - 1) + [False]
     patterns = shard_bytes([r["steps"][first_bad]["state"] for r in results])
     assert max(len(p) for p in patterns.values()) == 2
