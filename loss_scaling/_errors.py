@@ -157,20 +157,9 @@ SCALER_NONFINITE_LOSS = (
 )
 
 
-def scaler_too_many_skips_message(scale: Any) -> str:
-    return SCALER_TOO_MANY_SKIPS.format(scale=_host_float(scale))
-
-
 def _host_float(x: Any) -> float:
     """A float32 array's value as a Python float, which the templates format."""
     return float(np.asarray(x, np.float32))
-
-
-def backoff_underflow_message(old: Any, factor: float) -> str:
-    # In Python floats: a host callback runs on a thread that flushes float32 subnormals.
-    old = _host_float(old)
-    return BACKOFF_UNDERFLOW.format(old=old, factor=factor, new=old * factor,
-                                    tiny=float(_F32.tiny))
 
 
 def invalid_scale_message(value: Any) -> str:

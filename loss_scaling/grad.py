@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -22,6 +22,22 @@ WRONG_FIRST_ARGUMENT = (
     "for flax nnx, `(state, state.params, *args)` for a TrainState, `(opt_state, params, "
     "*args)` for optax, or a loss-scale state first. Got {what} as the first argument{hint}."
 )
+
+
+ARGNUMS_BEYOND_ARGS = (
+    "argnums={argnums!r} names an argument of loss_fn beyond the {count} given after the "
+    "loss scale: call `ls.value_and_grad(loss_fn)({holder}, model, *args)`."
+)
+
+
+def argnums_within(argnums: int | Sequence[int], args: tuple[Any, ...],
+                   holder: str) -> tuple[int, ...]:
+    """``argnums`` as a tuple, or a TypeError if one is beyond ``args``."""
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if any(i >= len(args) for i in nums):
+        raise TypeError(ARGNUMS_BEYOND_ARGS.format(argnums=argnums, count=len(args),
+                                                   holder=holder))
+    return nums
 
 
 AUX_NOT_A_PAIR = (
@@ -77,9 +93,8 @@ def split_loss_and_aux(fun: Callable[..., Any], out: Any, has_aux: bool) -> tupl
     output of a function with ``has_aux=False`` that returns ``(loss, aux)`` would
     otherwise be scaled as a whole, aux included).
     """
-    name = getattr(fun, "__name__", None) or "loss_fn"
-    if name == "<lambda>":
-        name = "loss_fn"
+    name = getattr(fun, "__name__", None)
+    name = name if name and name != "<lambda>" else "loss_fn"
     if has_aux:
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
             raise TypeError(AUX_NOT_A_PAIR.format(name=name, what=_describe_output(out)))
@@ -113,19 +128,6 @@ def scaler_of_state(state: Any) -> Any:
     except NoLossScaleFound as e:  # several loss scales: that message already says what to do
         raise ValueError(WRONG_FIRST_ARGUMENT.format(
             what=show(state, type_only=True), hint=f", which holds no loss scale ({e})")) from None
-
-
-def _framework_value_and_grad(state: Any, args: tuple[Any, ...], kwargs: Any,
-                              argnums: int | tuple[int, ...]) -> Callable[..., Any] | None:
-    """The gradient function of the framework whose modules the arguments hold (nnx,
-    Equinox), from the integrations' hooks; ``None`` for plain pytrees. Only frameworks
-    already imported are asked: a module of one cannot exist otherwise."""
-    for hooks in _registry.hooks():
-        if hooks.value_and_grad is not None:
-            factory = hooks.value_and_grad(state, args, kwargs, argnums)
-            if factory is not None:
-                return factory
-    return None
 
 
 def value_and_grad(
@@ -172,9 +174,12 @@ def value_and_grad(
 
     def wrapped(state: Any, *args: Any, **kwargs: Any) -> Any:
         _refuse_misplaced_options(fun, kwargs)
-        factory = _framework_value_and_grad(state, args, kwargs, argnums)
-        if factory is not None:
-            return factory(fun, argnums, has_aux)(state, *args, **kwargs)
+        # The framework whose modules the arguments hold (only imported ones are asked:
+        # a module of one cannot exist otherwise); plain pytrees get jax.value_and_grad.
+        for hooks in _registry.hooks():
+            factory = hooks.value_and_grad and hooks.value_and_grad(state, args, kwargs, argnums)
+            if factory is not None:
+                return factory(fun, argnums, has_aux)(state, *args, **kwargs)
         scaler = scaler_of_state(state)
 
         def scaled(*args: Any, **kwargs: Any) -> Any:

@@ -31,9 +31,8 @@ NOT_A_STATE = {
 
 
 def _not_a_state(x: Any) -> str | None:
-    """The message for a transformation or a model passed where a state was wanted;
-    None for anything else. Frameworks are recognised by their classes' modules, so
-    that none is imported here."""
+    """The message for a transformation or a model passed where a state was wanted, else
+    None. Frameworks are recognised by their classes' modules: none is imported here."""
     if isinstance(x, optax.GradientTransformation):
         return NOT_A_STATE["transformation"].format(what=f"an optax {type(x).__name__}")
     for cls in type(x).__mro__:

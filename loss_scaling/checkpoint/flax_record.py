@@ -62,10 +62,8 @@ def _record_dtype(name: str) -> np.dtype:
 
 
 def _window(scaler: LossScale) -> int | None:
-    """The history length of a headroom scaler (None for every other)."""
-    if isinstance(scaler, DynamicLossScale) and scaler.growth == "headroom":
-        return scaler.config.headroom_window
-    return None
+    """The history length of a headroom scaler (None for every other: its config has none)."""
+    return getattr(getattr(scaler, "config", None), "headroom_window", None)
 
 
 def _record_kind(scaler: LossScale) -> int:

@@ -49,8 +49,6 @@ def restore_loss_scale(
       layout of the leaf it replaces (a ``replicate``-d state's device axis, a
       ``NamedSharding``, multi-host). An ``nnx.Optimizer`` is updated in place and
       returned; an ``nnx.State`` is not modified (pass the new one to ``nnx.update``).
-      A ``StaticLossScale`` restored by Orbax already holds the saved factor:
-      :func:`loss_scaling.orbax_restore` with a concrete target compares it.
 
     Raises:
       ValueError: if the configurations differ (unless ``adopt_config``), if ``saved``

@@ -1,11 +1,9 @@
 """The three loss-scale states: pytrees, pickling and `loss_scale_for` (the rule: update.py).
 
-Each state is an immutable pytree. The values that change during training are leaves
-(``loss_scale`` float32, ``growth_tracker`` and ``nonfinite_tracker`` int32); the
-configuration is static auxiliary data. Constructing a state from Python values validates
-it; flattening and unflattening never do, so tree maps to ``None``, ``ShapeDtypeStruct``
-or ``PartitionSpec``, Orbax and ``flax.serialization`` all work, and a state passed
-through ``jax.jit`` keeps every setting.
+Each state is an immutable pytree: the values that change during training are leaves, the
+configuration is static auxiliary data. Construction validates; flattening and unflattening
+never do, so tree maps to ``None``, ``ShapeDtypeStruct`` or ``PartitionSpec``, Orbax and
+``flax.serialization`` all work, and a state passed through ``jax.jit`` keeps every setting.
 """
 
 from __future__ import annotations
@@ -33,17 +31,11 @@ __all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", 
 # ------------------------------------------------------------------------------ states
 
 
-def _frozen_setattr(self: Any, name: str, value: Any) -> None:
+def _frozen(self: Any, name: str, *value: Any) -> None:
+    """``__setattr__`` and ``__delattr__`` of the states."""
     raise dataclasses.FrozenInstanceError(
-        f"{type(self).__name__} is immutable: cannot assign {name!r}. Use "
-        "`loss_scaling.update` to get the next state."
-    )
-
-
-def _frozen_delattr(self: Any, name: str) -> None:
-    raise dataclasses.FrozenInstanceError(
-        f"{type(self).__name__} is immutable: cannot delete {name!r}."
-    )
+        f"{type(self).__name__} is immutable: cannot {'assign' if value else 'delete'} "
+        f"{name!r}. Use `loss_scaling.update` to get the next state.")
 
 
 class NoOpLossScale:
@@ -62,8 +54,7 @@ class NoOpLossScale:
     """
 
     __slots__ = ()
-    __setattr__ = _frozen_setattr
-    __delattr__ = _frozen_delattr
+    __setattr__ = __delattr__ = _frozen
     __getattr__ = no_such_method
 
     @property
@@ -97,8 +88,7 @@ class StaticLossScale:
     """
 
     __slots__ = ("loss_scale",)
-    __setattr__ = _frozen_setattr
-    __delattr__ = _frozen_delattr
+    __setattr__ = __delattr__ = _frozen
     __getattr__ = no_such_method
     loss_scale: jax.Array
 
@@ -169,8 +159,7 @@ class DynamicLossScale:
 
     __slots__ = ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure",
                  "grad_max_history", "headroom_tracker", "ceiling", "config", "_names")
-    __setattr__ = _frozen_setattr
-    __delattr__ = _frozen_delattr
+    __setattr__ = __delattr__ = _frozen
     __getattr__ = no_such_method
     loss_scale: jax.Array
     growth_tracker: jax.Array
@@ -229,12 +218,8 @@ class DynamicLossScale:
 
     @classmethod
     def _from_parts(cls, config: DynamicConfig, leaves: tuple[Any, ...]) -> DynamicLossScale:
-        """Rebuilds a state without validation (unflatten, serialization after checks).
-
-        ``leaves`` are ``(loss_scale, growth_tracker, nonfinite_tracker, failure)``, and
-        for ``growth="headroom"`` also ``(grad_max_history, headroom_tracker, ceiling)``
-        (:data:`HEADROOM_LEAVES`).
-        """
+        """Rebuilds a state from :data:`DYNAMIC_LEAVES` or :data:`HEADROOM_LEAVES` values
+        without validation (unflatten, serialization after checks)."""
         self = object.__new__(cls)
         self._fill(config, tuple(leaves))
         return self
@@ -294,8 +279,7 @@ def loss_scale_for(compute_dtype: Any, **dynamic_options: Any) -> LossScale:
     """The loss scale a compute dtype needs, so one flag switches float16 / bfloat16.
 
     float16's narrow exponent range needs dynamic scaling; bfloat16, float32 and float64
-    share float32's range and need none: they get :class:`NoOpLossScale`, which adds no
-    operation to a compiled step.
+    share float32's range and need none.
 
     Args:
       compute_dtype: the dtype the model computes in (anything ``jnp.dtype`` accepts).

@@ -1,15 +1,15 @@
 """Scaling, unscaling and finiteness over pytrees, on the step's own definitions.
 
-Floating leaves take part, real (float64 down to float8 / float4) and complex; integer and
-bool leaves pass through untouched. The numerics, and why each shortcut is exact, are in
-:mod:`loss_scaling.core.numerics`.
+Floating leaves (real or complex) take part; integer and bool leaves pass through. Why each
+shortcut is exact: :mod:`loss_scaling.core.numerics`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -33,7 +33,7 @@ from loss_scaling.core.scalers import (
     require_scaler,
 )
 
-__all__ = ["all_finite", "grads_max", "scale", "scaling_a_loss", "unscale"]
+__all__ = ["all_finite", "any_leaf", "grads_max", "scale", "scaling_a_loss", "unscale"]
 
 SCALED_TWICE = (
     "ls.scale was called inside the loss function given to ls.value_and_grad, which "
@@ -44,6 +44,11 @@ SCALED_TWICE = (
 
 _SCALING_A_LOSS: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "loss_scaling_scaling_a_loss", default=False)
+
+
+def any_leaf(pred: Callable[[Any], bool], tree: Any) -> bool:
+    """Whether ``pred`` holds for any node of ``tree``, a node it holds for being a leaf."""
+    return any(map(pred, jax.tree.leaves(tree, is_leaf=pred)))
 
 
 @contextlib.contextmanager
@@ -84,11 +89,8 @@ def _times_reciprocal(factor: jax.Array, tree: Any) -> Any:
 def scale(state: LossScale, tree: Any) -> Any:
     """Multiplies every floating leaf of ``tree`` (a loss or any pytree) by the loss scale.
 
-    Leaves are computed and returned in at least float32 (complex64 for complex leaves),
-    so a float16 loss is never overflowed by the multiplication itself. With
-    :class:`NoOpLossScale` the tree is returned as it is. Integer and bool leaves (an
-    integer loss such as ``3`` included) are not floating and pass through unscaled, as
-    they have no gradient.
+    Leaves are computed in at least float32 (complex64), so the multiplication itself
+    never overflows a float16 loss. With :class:`NoOpLossScale` the tree comes back as is.
 
     Args:
       state: a loss-scale state (``ls.get_loss_scale(opt_state)`` reads it from an
@@ -119,12 +121,9 @@ def scale(state: LossScale, tree: Any) -> Any:
 def unscale(state: LossScale, tree: Any) -> Any:
     """Divides every floating leaf of ``tree`` by the loss scale; each leaf keeps its dtype.
 
-    Use the same state that scaled the loss of this step. The division is a multiplication
-    by the float32 reciprocal of the factor, as PyTorch's ``GradScaler`` does: exact for
-    the power-of-two factors a default :class:`DynamicLossScale` takes, and the same bits
-    as PyTorch's CPU kernel for any factor wherever the result is a normal number. A result
-    that is itself subnormal (or a subnormal gradient) may come back as zero on a backend
-    that flushes subnormals, as XLA on CPU does.
+    A multiplication by the float32 reciprocal, as PyTorch's ``GradScaler`` does: exact for
+    power-of-two factors, PyTorch's CPU bits for any factor wherever the result is normal; a
+    subnormal result may flush to zero (XLA on CPU does).
 
     Args:
       state: the loss-scale state that scaled the loss.
@@ -151,17 +150,13 @@ def unscale(state: LossScale, tree: Any) -> Any:
     return _times_reciprocal(state.loss_scale, tree)
 
 
+@functools.partial(jax.jit, static_argnames="axis_name")
 def _all_finite(tree: Any, axis_name: AxisName) -> jax.Array:
     return unscaled_finite_leaves(tree, None, axis_name)[1]
 
 
-_all_finite_jit = jax.jit(_all_finite, static_argnames="axis_name")
-
-
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
     """Whether every floating (real or complex) leaf of ``tree`` is free of inf and NaN.
-
-    Integer and bool leaves are ignored; an empty tree is finite.
 
     Args:
       tree: any pytree (``None`` leaves and ``optax.MaskedNode`` are fine).
@@ -180,25 +175,21 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
       >>> ls.all_finite({"a": jnp.ones(3), "step": jnp.int32(7), "skip": None})
       Array(True, dtype=bool)
     """
-    if isinstance(axis_name, list):
-        axis_name = tuple(axis_name)
-    return _all_finite_jit(tree, axis_name=axis_name)
+    axis_name = tuple(axis_name) if isinstance(axis_name, list) else axis_name
+    return _all_finite(tree, axis_name=axis_name)
 
 
+@functools.partial(jax.jit, static_argnames="axis_name")
 def _grads_max(tree: Any, axis_name: AxisName) -> jax.Array:
     peak = _peak(floating_leaves(tree))
     return peak if axis_name is None else lax.pmax(peak, axis_name)
-
-
-_grads_max_jit = jax.jit(_grads_max, static_argnames="axis_name")
 
 
 def grads_max(tree: Any, axis_name: AxisName = None) -> jax.Array:
     """The largest ``|entry|`` over the floating (real or complex) leaves of ``tree``.
 
     What ``update(state, finite, grads_max=...)`` of a ``growth="headroom"`` scaler takes,
-    computed from the *scaled* gradients; the optax wrapper computes it itself, from the
-    same read as its finite test. Integer, bool and empty leaves are ignored (0 for none).
+    from the *scaled* gradients (the optax wrapper computes it itself). 0 for no leaves.
 
     Args:
       tree: any pytree.
@@ -214,6 +205,5 @@ def grads_max(tree: Any, axis_name: AxisName = None) -> jax.Array:
       >>> ls.grads_max({"w": jnp.array([1.0, -3.0]), "step": jnp.int32(7)})
       Array(3., dtype=float32)
     """
-    if isinstance(axis_name, list):
-        axis_name = tuple(axis_name)
-    return _grads_max_jit(tree, axis_name=axis_name)
+    axis_name = tuple(axis_name) if isinstance(axis_name, list) else axis_name
+    return _grads_max(tree, axis_name=axis_name)

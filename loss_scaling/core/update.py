@@ -27,11 +27,10 @@ from loss_scaling.core.validation import (
 
 
 def _as_finite_flag(grads_finite: Any) -> jax.Array:
-    if isinstance(grads_finite, (bool, np.bool_)):
-        return jnp.asarray(grads_finite)
-    shape = getattr(grads_finite, "shape", None)
     dtype = getattr(grads_finite, "dtype", None)
-    if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.bool_):
+    if not isinstance(grads_finite, bool) and (getattr(grads_finite, "shape", None) != ()
+                                               or dtype is None
+                                               or not jnp.issubdtype(dtype, jnp.bool_)):
         raise ValueError(
             "grads_finite must be a scalar bool (a Python bool or a bool array of shape ()), "
             f"got {grads_finite!r}."
@@ -167,12 +166,11 @@ def _dynamic_step(
     state: DynamicLossScale, finite: jax.Array, grads_max: jax.Array | None = None,
     backoff: bool = False, valid: jax.Array | None = None,
 ) -> tuple[DynamicLossScale, jax.Array]:
-    """One application of the rule; returns (new state, whether it failed on this step).
+    """One application of the rule: (new state, whether it failed on this step).
 
-    ``backoff=True`` is :func:`backoff_now`. Fail closed and sticky (as :func:`update`
-    says): a failing step records a :class:`Failure` code and keeps every value as it
-    was, and a failed state never changes again. ``valid``: the scale's validity when the
-    caller has checked it already (the wrapper, once a step: :func:`is_positive_normal`).
+    ``backoff=True`` is :func:`backoff_now`; ``valid``, the scale's validity when the caller
+    checked it already. Fail closed and sticky: a failing step records a :class:`Failure`
+    code and keeps every value, and a failed state never changes again.
     """
     config = state.config
     scale, tracker, streak = state.loss_scale, state.growth_tracker, state.nonfinite_tracker
@@ -228,17 +226,15 @@ def _run(state: DynamicLossScale, finite: jax.Array, grads_max: jax.Array | None
 
 def step_recorded(state: DynamicLossScale, finite: jax.Array, *, grads_max: Any = None,
                   valid: jax.Array | None = None) -> DynamicLossScale:
-    """:func:`update`'s new state with a failure only recorded, never raised (eager too);
-    ``valid``: the scale's validity, checked once a step by the caller."""
+    """:func:`update`'s new state with a failure only recorded, never raised (eager too)."""
     return _run(state, jnp.asarray(finite), _as_grads_max(state, grads_max), valid=valid)[0]
 
 
 def backoff_now(state: LossScale) -> LossScale:
     """The rule's non-finite branch applied at once, hysteresis ignored: a replay's backoff.
 
-    A backoff below the normal float32 range fails closed as in :func:`update` under
-    ``jit``: recorded in the state, never raised (eagerly neither). ``NoOpLossScale`` and
-    ``StaticLossScale`` are returned as they are.
+    A failing backoff is recorded in the state, never raised (eagerly neither).
+    ``NoOpLossScale`` and ``StaticLossScale`` are returned as they are.
 
     Examples:
       >>> import loss_scaling as ls
@@ -277,9 +273,12 @@ def scaler_failure_message(scaler: DynamicLossScale | StaticLossScale) -> str:
     code = Failure(int(np.asarray(getattr(scaler, "failure", Failure.INVALID_SCALE))))
     if code == Failure.BACKOFF_UNDERFLOW:
         assert isinstance(scaler, DynamicLossScale)
-        return _errors.backoff_underflow_message(scaler.loss_scale, scaler.config.backoff_factor)
+        # In Python floats: a host callback runs on a thread that flushes float32 subnormals.
+        old, factor = float(scaler.loss_scale), scaler.config.backoff_factor
+        return _errors.BACKOFF_UNDERFLOW.format(old=old, factor=factor, new=old * factor,
+                                                tiny=float(_F32.tiny))
     if code == Failure.TOO_MANY_SKIPS:  # written by the wrapper (one register)
-        return _errors.scaler_too_many_skips_message(scaler.loss_scale)
+        return _errors.SCALER_TOO_MANY_SKIPS.format(scale=float(scaler.loss_scale))
     if code == Failure.NONFINITE_LOSS:  # written by the wrapper too
         return _errors.SCALER_NONFINITE_LOSS.format(scale=float(scaler.loss_scale))
     return _errors.invalid_scale_message(scaler.loss_scale)
@@ -296,14 +295,8 @@ def update(
 
     Call it on every step, skipped or not, after the optimizer step. ``NoOpLossScale`` and
     ``StaticLossScale`` are returned unchanged; ``DynamicLossScale`` follows the rule in
-    its docstring.
-
-    A backoff that would leave the normal float32 range (without ``min_scale``), or a
-    scale that is not a positive normal float32 on arrival, fails closed: called eagerly,
-    ``update`` raises :class:`LossScaleError`; under ``jit`` the returned state records
-    the failure (``state.failure != 0``), keeps its last valid scale and never changes
-    again, and :func:`loss_scaling.check` raises the full message on the host. Nothing is
-    compiled into the step for this but a few scalar operations.
+    its docstring, failing closed as it says (a scale invalid on arrival fails too): under
+    ``jit`` the state keeps its last valid scale and never changes again.
 
     Args:
       state: the current loss-scale state.

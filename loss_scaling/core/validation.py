@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,13 +52,20 @@ def _float32(name: str, value: Any) -> np.float32:
         return np.float32(number)
 
 
+def _float32_where(name: str, value: Any, ok: Callable[[np.float32], Any], must: str,
+                   fix: str = "") -> float:
+    """``value`` as a float32 for which ``ok`` holds, else "``name`` must ``must``, got ..."."""
+    as_f32 = _float32(name, value)
+    if not ok(as_f32):
+        raise ValueError(f"{name} must {must}, got {show(value)}{fix}.")
+    return float(as_f32)
+
+
 def positive_normal_float32(name: str, value: Any) -> float:
     """Validates a scale-like value: finite, positive and normal *as float32*."""
-    as_f32 = _float32(name, value)
-    if not (np.isfinite(as_f32) and as_f32 >= _F32.tiny):
-        raise ValueError(f"{name} must be a finite, positive, normal float32 (between "
-                         f"{_F32.tiny} and {_F32.max}), got {show(value)}.")
-    return float(as_f32)
+    return _float32_where(name, value, lambda x: np.isfinite(x) and x >= _F32.tiny,
+                          f"be a finite, positive, normal float32 (between {_F32.tiny} and "
+                          f"{_F32.max})")
 
 
 def int_in_range(name: str, value: Any, low: int, high: int, hint: str = "") -> int:
@@ -87,23 +95,13 @@ def positive_int32(name: str, value: Any) -> int:
     return int_in_range(name, value, 1, _INT32_MAX)
 
 
-def _growth_factor(value: Any) -> float:
-    as_f32 = _float32("growth_factor", value)
-    if not (np.isfinite(as_f32) and as_f32 > 1.0):
-        raise ValueError(f"growth_factor must be finite and > 1 as a float32, got {show(value)}.")
-    return float(as_f32)
-
-
 def _backoff_factor(value: Any) -> float:
-    as_f32 = _float32("backoff_factor", value)
-    if not 0.0 < as_f32 < 1.0:
-        raise ValueError("backoff_factor must lie in the open interval (0, 1) as a float32, "
-                         f"got {show(value)}.")
-    if as_f32 < _F32.tiny:  # XLA on CPU reads a subnormal operand as 0
-        raise ValueError(f"backoff_factor must be a normal float32 (at least {_F32.tiny}), got "
-                         f"{show(value)}: CPUs read a subnormal factor as 0, so the first "
-                         "backoff would fail the run.")
-    return float(as_f32)
+    _float32_where("backoff_factor", value, lambda x: 0.0 < x < 1.0,
+                   "lie in the open interval (0, 1) as a float32")
+    # XLA on CPU reads a subnormal operand as 0.
+    return _float32_where("backoff_factor", value, lambda x: x >= _F32.tiny,
+                          f"be a normal float32 (at least {_F32.tiny})", ": CPUs read a "
+                          "subnormal factor as 0, so the first backoff would fail the run")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,14 +137,6 @@ def config_fields(config: DynamicConfig) -> tuple[str, ...]:
     return (*INTERVAL_FIELDS, "growth", *HEADROOM_OPTIONS)
 
 
-def _margin(value: Any) -> float:
-    as_f32 = _float32("headroom_margin", value)
-    if not (np.isfinite(as_f32) and as_f32 >= 1.0 and np.frexp(as_f32)[0] == 0.5):
-        raise ValueError(f"headroom_margin must be a power of two >= 1, got {show(value)}: "
-                         "use e.g. 16.0 (the default, 2**4).")
-    return float(as_f32)
-
-
 def _headroom_dtype(value: Any) -> str:
     try:
         dtype = jnp.dtype(value)
@@ -172,7 +162,11 @@ def _growth_options(growth: Any, options: dict[str, Any]) -> dict[str, Any]:
                              + ": pass growth='headroom', or drop them.")
         return {}
     options = {n: HEADROOM_DEFAULTS[n] if v is None else v for n, v in options.items()}
-    return {"growth": growth, "headroom_margin": _margin(options["headroom_margin"]),
+    margin = _float32_where(
+        "headroom_margin", options["headroom_margin"],
+        lambda x: np.isfinite(x) and x >= 1.0 and np.frexp(x)[0] == 0.5,
+        "be a power of two >= 1", ": use e.g. 16.0 (the default, 2**4)")
+    return {"growth": growth, "headroom_margin": margin,
             "headroom_window": int_in_range("headroom_window", options["headroom_window"],
                                             1, MAX_WINDOW),
             "headroom_dtype": _headroom_dtype(options["headroom_dtype"])}
@@ -185,7 +179,9 @@ def dynamic_config(
 ) -> DynamicConfig:
     """Checks every setting of a :class:`DynamicLossScale` but its scale."""
     return DynamicConfig(
-        growth_factor=_growth_factor(growth_factor),
+        growth_factor=_float32_where("growth_factor", growth_factor,
+                                     lambda x: np.isfinite(x) and x > 1.0,
+                                     "be finite and > 1 as a float32"),
         backoff_factor=_backoff_factor(backoff_factor),
         growth_interval=positive_int32("growth_interval", growth_interval),
         hysteresis=positive_int32("hysteresis", hysteresis),

@@ -204,9 +204,7 @@ class Interpreter:
 
 def _full(origin: Any, like: Any) -> Any:
     """``origin``, or all :data:`FINITE` where there is none, in ``like``'s shape."""
-    if origin is None:
-        return jnp.full(jnp.shape(like), FINITE, jnp.int32)
-    return origin
+    return jnp.full(jnp.shape(like), FINITE, jnp.int32) if origin is None else origin
 
 
 def _propagate(eqn: Any, invals: list[Any], origins: list[Any], index: int, out: Any) -> Any:

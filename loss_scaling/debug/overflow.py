@@ -105,14 +105,10 @@ def find_overflow(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
                   has_aux: bool = False) -> OverflowReport:
     """Runs one step's forward and backward pass an op at a time; reports the first overflow.
 
-    Eager, on one batch, never compiled into a training step: ``jax.vjp`` of the loss
-    times ``scale`` is interpreted equation by equation (inside ``jit``, ``scan``,
-    ``cond``, ``while``, ``checkpoint`` and custom rules), and every inf/NaN is followed
-    to where it ends up. The report names the first equation whose non-finite output
-    *reaches* the loss (forward) or a gradient (backward); one masked or selected away
-    (``exp(-inf) = 0`` in a softmax, a ``where``) does not make a step skip and is only
-    listed in ``notes``. Differentiated as the recipes differentiate (an nnx model by the
-    optimizer's ``wrt`` filter); the model is not modified. See debug/README.md.
+    Eager, on one batch: ``jax.vjp`` of the loss times ``scale`` is interpreted equation by
+    equation, following every inf/NaN. The report names the first whose non-finite output
+    *reaches* the loss or a gradient; one masked away (``exp(-inf) = 0``) is only listed
+    in ``notes``. The model is not modified. How it works: debug/README.md.
 
     Args:
       loss_fn: ``loss_fn(params_or_model, *batch) -> loss`` (or ``(loss, aux)``).

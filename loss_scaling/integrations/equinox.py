@@ -13,17 +13,12 @@ import jax
 import optax
 
 from loss_scaling import _registry
-from loss_scaling.grad import scaled_loss, scaler_of_state
+from loss_scaling.core.tree import any_leaf
+from loss_scaling.grad import argnums_within, scaled_loss, scaler_of_state
 from loss_scaling.lookup import all_wrapper_states
 from loss_scaling.wrapper.transform import apply_gradients as _apply_gradients
 
 __all__ = ["apply_gradients", "filter_value_and_grad"]
-
-
-def contains_modules(tree_: Any) -> bool:
-    """Whether any part of ``tree_`` is an ``equinox.Module``."""
-    is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
-    return any(map(is_module, jax.tree.leaves(tree_, is_leaf=is_module)))
 
 
 def filter_value_and_grad(
@@ -36,8 +31,7 @@ def filter_value_and_grad(
     The returned function takes the loss scale's holder first (the optax state, or
     anything :func:`~loss_scaling.get_loss_scale` accepts), then ``fun``'s arguments. The
     floating arrays of the arguments at ``argnums`` are differentiated; their other
-    leaves get ``None`` gradients, as in Equinox. ``loss_scaling.value_and_grad`` calls
-    this whenever a differentiated argument holds an ``equinox.Module``.
+    leaves get ``None`` gradients, as in Equinox.
 
     Args:
       fun: the loss function; returns a scalar loss (or ``(loss, aux)``).
@@ -60,15 +54,9 @@ def filter_value_and_grad(
       >>> bool(loss == true_loss), bool(jnp.all(grads.weight == 8 * true_grads.weight))
       (True, True)
     """
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-
     def wrapped(state: Any, *args: Any, **kwargs: Any) -> Any:
         scaler = scaler_of_state(state)
-        if any(i >= len(args) for i in nums):
-            raise TypeError(
-                f"argnums={argnums!r} names an argument of loss_fn beyond the {len(args)} "
-                "given after the loss scale: call "
-                "`ls.value_and_grad(loss_fn)(opt_state, model, *args)`.")
+        nums = argnums_within(argnums, args, "opt_state")
         parts = {i: eqx.partition(args[i], eqx.is_inexact_array) for i in nums}
 
         def scaled(diff: dict[int, Any]) -> Any:
@@ -95,10 +83,9 @@ def apply_gradients(
     """The fused step on an Equinox model: ``(model, opt_state) -> (model, opt_state)``.
 
     :func:`loss_scaling.apply_gradients` on the model's floating arrays that have a
-    gradient (the tree ``tx.init`` was given), recombined with its other leaves, which
-    come back as they are (as with ``eqx.apply_updates``: integer and bool arrays, and
-    arrays frozen with ``eqx.partition``). A skipped step returns every array of the
-    model bit-identical.
+    gradient (the tree ``tx.init`` was given); its other leaves (integer and bool arrays,
+    arrays frozen with ``eqx.partition``) come back as they are, as with
+    ``eqx.apply_updates``. A skipped step returns every array bit-identical.
 
     Args:
       tx: the transformation (ideally from :func:`~loss_scaling.with_loss_scaling`).
@@ -190,8 +177,9 @@ def _value_and_grad_for(state: Any, args: tuple[Any, ...], kwargs: Any,
     """``loss_scaling.value_and_grad``'s hook: this module's when a differentiated
     argument holds an ``equinox.Module``."""
     nums = (argnums,) if isinstance(argnums, int) else argnums
+    is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
     return (filter_value_and_grad
-            if contains_modules([args[i] for i in nums if i < len(args)]) else None)
+            if any_leaf(is_module, [args[i] for i in nums if i < len(args)]) else None)
 
 
 _registry.register("equinox", _registry.Hooks(value_and_grad=_value_and_grad_for))

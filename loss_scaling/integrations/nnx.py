@@ -21,7 +21,8 @@ from loss_scaling.core.scalers import (
     NoOpLossScale,
     StaticLossScale,
 )
-from loss_scaling.grad import WRONG_FIRST_ARGUMENT, scaled_loss, scaler_of_state
+from loss_scaling.core.tree import any_leaf
+from loss_scaling.grad import WRONG_FIRST_ARGUMENT, argnums_within, scaled_loss, scaler_of_state
 from loss_scaling.lookup import _get_wrapper_state, get_loss_scale, refuse_misplaced_wrapper
 from loss_scaling.wrapper.placement import wrapper_states_in
 from loss_scaling.wrapper.state import LossScalingState, UnderflowStats, carried_failure
@@ -35,11 +36,6 @@ CONFIG_METADATA = "loss_scale_config"  # Variable metadata set by Optimizer
 def is_graph_node(x: Any) -> bool:
     """Whether ``x`` is an ``nnx`` graph node (a Module, an Optimizer) or Variable."""
     return isinstance(x, nnx.Variable) or nnx.graph.is_graph_node(x)
-
-
-def contains_graph_nodes(tree: Any) -> bool:
-    """Whether any part of ``tree`` is an ``nnx`` graph node or Variable."""
-    return any(map(is_graph_node, jax.tree.leaves(tree, is_leaf=is_graph_node)))
 
 
 def scaler_of(state: Any) -> Any:
@@ -67,7 +63,6 @@ def value_and_grad(
     Module arguments at ``argnums`` are differentiated with respect to ``wrt`` (by
     default the optimizer's own filter, else ``nnx.Param``); their other state (RNG
     streams, BatchNorm statistics) is updated in place, as ``nnx.value_and_grad`` does.
-    ``loss_scaling.value_and_grad`` calls this whenever an argument is an ``nnx`` node.
 
     Args:
       fun: the loss function; returns a scalar loss (or ``(loss, aux)``).
@@ -102,19 +97,12 @@ def value_and_grad(
       ...
       TypeError: The function returned by `loss_scaling.value_and_grad(loss_fn)` takes ...
     """
-    argnum_tuple = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-
     def wrapped(state: Any, *args: Any, **kwargs: Any) -> Any:
         scaler = scaler_of(state)
         filter_ = wrt if wrt is not None else (
             state.wrt if isinstance(state, nnx.Optimizer) else nnx.Param)
-        if max(argnum_tuple) >= len(args):
-            raise TypeError(
-                f"argnums={argnums!r} names an argument of loss_fn beyond the {len(args)} "
-                "given after the loss scale: call "
-                "`ls.value_and_grad(loss_fn)(optimizer, model, *args)`.")
-        nnx_argnums = tuple(
-            nnx.DiffState(i, filter_) if is_graph_node(args[i]) else i for i in argnum_tuple)
+        nnx_argnums = tuple(nnx.DiffState(i, filter_) if is_graph_node(args[i]) else i
+                            for i in argnums_within(argnums, args, "optimizer"))
 
         def scaled(*args: Any, **kwargs: Any) -> Any:
             return scaled_loss(fun, has_aux, scaler, *args, **kwargs)
@@ -182,9 +170,13 @@ class Optimizer(nnx.Optimizer):
         param_arrays = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
         grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
         opt_state_arrays = nnx.as_pure(self.opt_state)
-        if callable(kwargs.get("value_fn")):  # the model's loss, as the params' loss
-            kwargs["value_fn"] = _loss_of_params(model, self.wrt, self.graph,
-                                                 kwargs["value_fn"])
+        value_fn = kwargs.get("value_fn")
+        if callable(value_fn):  # the model's loss, as the wrt arrays' loss, on a merged copy
+            # Two filters, so three parts (nnx.split's type says "any length"); the rest as
+            # arrays: a Variable of the model cannot enter the replay's trace.
+            graphdef, _, rest = cast(Any, nnx.split(model, self.wrt, ..., graph=self.graph))
+            rest = nnx.as_pure(rest)
+            kwargs["value_fn"] = lambda params: value_fn(nnx.merge(graphdef, params, rest))
         kwargs_arrays = nnx.as_pure(kwargs)
         new_params, new_opt_state = apply_gradients(
             self.tx, grad_arrays, opt_state_arrays, param_arrays, **kwargs_arrays)
@@ -211,16 +203,6 @@ def _refuse_swapped_update(model: Any, grads: Any) -> None:
     if not is_graph_node(model):
         raise TypeError(UPDATE_ARGUMENTS.format(
             problem=f"`model` must be the nnx Module, got {show(model, type_only=True)}"))
-
-
-def _loss_of_params(model: Any, wrt: Any, graph: bool | None,
-                    value_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``value_fn(model)`` as a function of the ``wrt`` arrays (``nnx.as_pure`` of
-    ``nnx.state(model, wrt)``): run on a merged copy, so the model itself is untouched."""
-    # Two filters, so three parts (nnx.split's type says "any length").
-    graphdef, _, rest = cast(Any, nnx.split(model, wrt, ..., graph=graph))
-    rest = nnx.as_pure(rest)  # arrays: a Variable of the model cannot enter the replay's trace
-    return lambda params: value_fn(nnx.merge(graphdef, params, rest))
 
 
 # ------------------------------------------------- nnx states, for lookup and restore
@@ -282,8 +264,7 @@ def replace_scale(state: Any, new: LossScale, path: str | None) -> Any:
     """``replace_loss_scale`` for an ``nnx.Optimizer`` (in place) or a state holding
     ``nnx.Variable``s; ``NotImplemented`` for anything else."""
     is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    if not isinstance(state, nnx.Optimizer) and not any(
-            map(is_variable, jax.tree.leaves(state, is_leaf=is_variable))):
+    if not isinstance(state, nnx.Optimizer) and not any_leaf(is_variable, state):
         return NotImplemented
 
     target = get_loss_scale(state, path)  # clear errors for none or several
@@ -313,7 +294,7 @@ def replace_scale(state: Any, new: LossScale, path: str | None) -> Any:
 def _value_and_grad_for(state: Any, args: tuple[Any, ...], kwargs: Any,
                         argnums: Any) -> Callable[..., Any] | None:
     """``loss_scaling.value_and_grad``'s hook: this module's when ``nnx`` nodes take part."""
-    return value_and_grad if contains_graph_nodes((state, args, kwargs)) else None
+    return value_and_grad if any_leaf(is_graph_node, (state, args, kwargs)) else None
 
 
 _registry.register("flax.nnx", _registry.Hooks(
