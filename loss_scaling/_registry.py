@@ -1,9 +1,6 @@
-"""Hooks that the framework integrations fill, so that the core never imports a framework.
-
-The core (lookup, checkpoint restore, ``value_and_grad``) asks :func:`hooks` for the
-hooks of the integrations whose framework the program has already imported: a flax
-``nnx`` object cannot exist unless ``flax.nnx`` was imported, so a pure-optax program
-never imports ``flax.nnx`` or Equinox through loss_scaling.
+"""Hooks that the framework integrations fill, so that the core never imports a framework:
+:func:`hooks` returns those of the frameworks the program has already imported (an nnx
+object cannot exist without ``flax.nnx``), so a pure-optax program imports neither.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""``flax.serialization`` of the scaler states: one checked record (values, shape, CRC-32).
-
-Importing this module registers the three scaler classes with ``flax.serialization``. A
-restore keeps the *target's* configuration and layout and checks the values with
-:mod:`loss_scaling.core.validation`; :func:`from_bytes` also turns msgpack's own decoding
-errors into a ``ValueError``.
+"""``flax.serialization`` of the scaler states (registered on import): one checked record
+(values, shape, CRC-32), restored in the target's configuration and layout.
 """
 
 from __future__ import annotations

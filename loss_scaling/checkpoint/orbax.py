@@ -1,12 +1,6 @@
-"""Orbax checkpoints that keep the loss scale's configuration and check it on restore.
-
-Orbax saves the loss scale's values but not its configuration, and checks nothing.
-:func:`save_args` saves the state (``ocp.args.StandardSave``) and, beside it,
-:func:`loss_scaling.state_dict` of its loss scale (``JsonSave``); :func:`restore`
-refuses a changed configuration (unless ``adopt_config=True``), an invalid saved loss
-scale, and arrays that disagree with the JSON. Both are plain ``ocp.args.Composite``
-items, so async saves and multi-host runs work as for any Orbax item. Imports Orbax:
-``import loss_scaling`` does not import this module.
+"""Orbax checkpoints that keep the loss scale's configuration and check it on restore:
+the state's arrays and :func:`loss_scaling.state_dict` of its loss scale as one plain
+``ocp.args.Composite`` (async and multi-host as for any item). README.md says why.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """The JSON state-dict format: :func:`state_dict`, :func:`from_state_dict`, and reading
-values out of untrusted dicts and off devices.
-
-A dict is checked field by field (:func:`from_state_dict` says how), then by
-:mod:`loss_scaling.core.validation`; every refusal is a ``ValueError`` that starts with
-``invalid loss-scale state dict: `` and names the field (``values.loss_scale``). An
-interval scaler's dict is the one written before headroom growth existed; a headroom
-scaler adds its options and three values.
+values out of untrusted dicts (field by field, then :mod:`loss_scaling.core.validation`;
+every refusal names the field) and off devices. README.md says why.
 """
 
 from __future__ import annotations

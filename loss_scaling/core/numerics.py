@@ -1,13 +1,8 @@
-"""The numerics of one step, with the argument for each shortcut next to its code.
-
-* Which leaves: :func:`is_floating`, :func:`compute_dtype`, :func:`_per_part`.
-* The reciprocal, without a subnormal: :func:`reciprocal`.
-* Finiteness, in one fused reduction per leaf: :func:`_bounded_sum`.
-* The CPU screen, a sum of squares of the scaled gradients: :func:`sum_screen`.
-* Small leaves tested together on XLA CPU: :func:`leaf_groups`.
-* Compile time: XLA CPU compiles each distinct kernel on its own, so the step keeps their
-  number down (the reciprocal's two factors are one array, AND-reductions are int8 mins:
-  :func:`all_rows`); ``benchmarks/compile_time.py`` measures it.
+"""The numerics of one step, with the argument for each shortcut next to its code: which
+leaves, the reciprocal (:func:`reciprocal`), finiteness (:func:`_bounded_sum`), the CPU
+screen (:func:`sum_screen`), small leaves together (:func:`leaf_groups`), the step's one
+read (:func:`finite_leaves`). XLA CPU compiles each distinct kernel on its own, so the step
+keeps their number down (``benchmarks/compile_time.py`` measures it).
 """
 
 from __future__ import annotations
@@ -354,10 +349,8 @@ def unscaled_group_finite(vector: jax.Array, sizes: Sequence[int] | None,
 
     A large leaf is one fused reduction; a joined group is unscaled element by element
     (one dtype, so exactly as each leaf alone) and its flags gathered per leaf by one
-    segment reduction: a few kernels for any number of small leaves and sizes. (One
-    reduction per run of equal sizes compiled a little faster for equal leaves, but
-    28 sizes in 40 leaves made it 4x slower to compile and +60 us a step on CPU, where
-    even the kernels of a branch not taken cost time.)
+    segment reduction: a few kernels for any number of small leaves and sizes (one
+    reduction per run of equal sizes: 4x slower to compile with 28 sizes in 40 leaves).
     """
     if sizes is None:
         return jnp.isfinite(unscaled_bounded_sum(vector, inverse))[None]

@@ -1,10 +1,7 @@
-"""The one validator of every loss-scale setting and range.
-
-Construction (:class:`~loss_scaling.DynamicLossScale`, :func:`~loss_scaling.with_loss_scaling`),
-the JSON state dict, the flax record and :func:`~loss_scaling.restore_with_config` all check
-through these functions: :func:`scale_in_range` is the one range check of a loss scale,
-:func:`counter_ranges` the one statement of the counters' ranges. Each raises a ``ValueError``
-naming the argument, the value and the fix; a checkpoint format prefixes its own context.
+"""The one validator of every loss-scale setting and range, for construction and every
+checkpoint format: :func:`scale_in_range` (the one range check of a loss scale),
+:func:`counter_ranges`. Each raises a ``ValueError`` naming the argument, the value and
+the fix; a checkpoint format prefixes its own context.
 """
 
 from __future__ import annotations

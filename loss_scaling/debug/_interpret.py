@@ -1,12 +1,7 @@
-"""An eager jaxpr interpreter that keeps, per inf/NaN entry, the equation it came from.
-
-``jax.core.eval_jaxpr``, with ``jit``, ``checkpoint``, ``custom_jvp`` / ``custom_vjp``,
-``cond`` (the taken branch), ``scan`` and ``while`` (an iteration at a time) interpreted;
-any other primitive is bound whole. Beside each value with inf/NaN entries it keeps an
-int32 *origin* array of its shape: per entry, the id of the earliest equation whose new
-inf/NaN the entry carries (:data:`FINITE` where it is finite), so that a value masked
-away before the loss or a gradient is told from one that reaches them. :func:`_propagate`
-is the rule per primitive; README.md says why, and what the interpreter cannot see.
+"""An eager jaxpr interpreter that keeps, per inf/NaN entry, the equation it came from: an
+int32 *origin* array beside each value with inf/NaN entries (:data:`FINITE` where finite).
+:func:`_propagate` is the rule per primitive; README.md ("The interpreter") says why, which
+primitives are interpreted, and what it cannot see.
 """
 
 from __future__ import annotations

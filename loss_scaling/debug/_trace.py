@@ -1,9 +1,5 @@
-"""One step's scaled loss, forward then backward, run through the interpreter.
-
-The arguments and what is differentiated follow each recipe (``ls.value_and_grad``'s
-conventions); nnx and Equinox Modules get ``jax.named_scope``s of their attribute paths
-while the loss is traced, as linen's are; see README.md.
-"""
+"""One step's scaled loss, forward then backward, as each recipe differentiates it, run
+through the interpreter (README.md, "One step, as training differentiates it")."""
 
 from __future__ import annotations
 
