@@ -64,12 +64,10 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       ``loss_scale``, ``growth_tracker`` (0 unless dynamic); the counters
       ``skipped_steps``, ``consecutive_skips``, ``nonfinite_loss_steps`` (skips caused by
       a non-finite ``loss=``), ``replays`` and ``last_step_replays`` (``max_replays``);
-      ``last_step_applied``;
-      ``nonfinite_grad_leaves`` (leaves non-finite on the last skipped step); ``failed``
-      and ``failure`` (the :class:`loss_scaling.Failure` code :func:`check` raises);
-      ``clean_growths`` and ``scale_suspicious`` (20 growths without an overflow, or a
-      scale past ``2**64`` without one: a loss that was not scaled, or a model that needs
-      no scaling); ``grad_norm`` (of the unscaled gradients, see
+      ``last_step_applied``; ``nonfinite_grad_leaves`` (leaves non-finite on the last
+      skipped step); ``failed`` and ``failure`` (the :class:`loss_scaling.Failure` code
+      :func:`check` raises); ``clean_growths`` and ``scale_suspicious`` (the mis-use
+      :func:`check` warns about); ``grad_norm`` (of the unscaled gradients, see
       :class:`loss_scaling.LossScalingState`). With ``growth="headroom"``:
       ``grad_max_window`` (the largest unscaled max ``|g|`` in the rule's window),
       ``headroom_log2`` (``log2(finfo(headroom_dtype).max / (loss_scale *

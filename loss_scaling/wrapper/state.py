@@ -120,22 +120,20 @@ SUSPICIOUS_GROWTHS = 20
 _F16_TINY = float(np.finfo(np.float16).tiny)
 _BELOW_F16_TINY = float(np.nextafter(np.float32(_F16_TINY), np.float32(0)))
 
+# The fix both warnings about narrow params give.
+_MASTER_PARAMS = ("Keep float32 master params and compute in {dtype} inside the loss function "
+                  "(cast the params there), as the README's recipes do.")
 LOW_PRECISION_STATE = (
     "with_loss_scaling: the params {leaves} are {dtype} and the wrapped optimizer keeps its "
     "state in the params' dtype. In {dtype} that state under- and overflows (Adam's eps=1e-8 "
     "is 0 in float16: one step turns params into NaN, and no gradient check can catch it). "
-    "Keep float32 master params and compute in float16 inside the loss function (cast the "
-    "params there), as the README's recipes do."
-)
-
-
+) + _MASTER_PARAMS
 NARROW_PARAMS = (
     "with_loss_scaling: the params {leaves} are {dtype}. {dtype} keeps {bits} significant "
     "bits, so an update smaller than about 1/{ratio} of a param rounds away (p + u == p): "
     "small learning rates and late training stall, and loss scaling cannot help (it "
-    "protects the gradients, not the params). Keep float32 master params and compute in "
-    "{dtype} inside the loss function (cast the params there)."
-)
+    "protects the gradients, not the params). "
+) + _MASTER_PARAMS
 
 NO_ZERO_PARAMS = (
     "with_loss_scaling: the params leaf {leaf!r} is {dtype}, a dtype without a zero (an "
@@ -195,10 +193,8 @@ def initial_state(scaler: LossScale, inner_state: Any, n_grads: int,
 
 
 def carried_failure(failure: jax.Array, new: LossScale) -> jax.Array:
-    """The wrapper's failure register once ``new`` is its scaler: a failed run stays
-    failed, and a failed scaler (its state dict records the code) fails the wrapper. The
-    wrapper's register is then the one a step and :func:`loss_scaling.check` read
-    (restored by ``restore_loss_scale``)."""
+    """The wrapper's failure register once ``new`` is its scaler (``init``,
+    ``restore_loss_scale``): a failed run stays failed, and a failed scaler fails it."""
     code = getattr(new, "failure", None)
     if code is None:
         return failure

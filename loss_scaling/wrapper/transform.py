@@ -65,11 +65,8 @@ __all__ = ["LossScalingTransformation", "apply_gradients", "with_loss_scaling"]
 
 
 class LossScalingTransformation(optax.GradientTransformationExtraArgs):
-    """The ``GradientTransformationExtraArgs`` returned by :func:`with_loss_scaling`.
-
-    An ordinary optax transformation (``init``, ``update``) that also carries what
-    :func:`apply_gradients` needs for the fused path.
-    """
+    """The ``GradientTransformationExtraArgs`` :func:`with_loss_scaling` returns: an
+    ordinary optax transformation that also carries the options of the fused path."""
 
     # Set per instance: a NamedTuple subclass without __slots__ has a __dict__.
     options: WrapperOptions
@@ -495,15 +492,10 @@ def _stepped_scaler(scaler: LossScale, finite: jax.Array, grads_max: jax.Array |
 def _next_failure(options: WrapperOptions, state: LossScalingState, stepped_scaler: LossScale,
                   consecutive_skips: jax.Array, decision: StepDecision,
                   loss_given: bool) -> tuple[jax.Array, jax.Array, LossScale]:
-    """The failure code after this step, whether it is new, and the scaler to keep.
-
-    The first failure wins and is kept; the scaler is frozen from then on. The wrapper's
-    ``failure`` is the register; a dynamic scaler's own ``failure`` is written from it,
-    so that ``ls.check(scaler)`` and the scaler's state dict carry a ``TOO_MANY_SKIPS``
-    too (restoring that JSON fails the wrapper again: ``carried_failure``).
-    ``NONFINITE_LOSS`` (a loss still non-finite on the ``max_nonfinite_losses``-th skip in
-    a row) is compiled only into steps given a ``loss=``.
-    """
+    """The failure code after this step, whether it is new, and the scaler to keep: the
+    first failure wins and freezes the scaler. A dynamic scaler's own ``failure`` is
+    written from the wrapper's register, so that its state dict carries a
+    ``TOO_MANY_SKIPS`` too (``carried_failure``)."""
     failed_before = state.failure != Failure.NONE
     failure = getattr(stepped_scaler, "failure", jnp.int32(Failure.NONE))
     failure = jnp.where(decision.valid_scale, failure, Failure.INVALID_SCALE)
