@@ -30,7 +30,7 @@ from loss_scaling.wrapper.state import (
 
 __all__ = ["check", "metrics", "nonfinite_grad_paths"]
 
-SUSPICIOUS_SCALE = 2.0**64
+SUSPICIOUS_SCALE_LIMIT = 2.0**64
 """A scale this large, grown to without an overflow, is suspicious too: the scaled
 gradients of a float16 model stay below 65504, so its true gradients would all be below
 2**-48. ``growth="headroom"`` on an unscaled loss grows by large factors but fewer than
@@ -40,9 +40,9 @@ gradients of a float16 model stay below 65504, so its true gradients would all b
 
 def scale_suspicious(clean_growths: Any, loss_scale: Any) -> Any:
     """The mis-use detector (in-graph or on the host, elementwise): many growths in a row
-    without an overflow, or any that took the scale past :data:`SUSPICIOUS_SCALE`."""
+    without an overflow, or any that took the scale past :data:`SUSPICIOUS_SCALE_LIMIT`."""
     return (clean_growths >= SUSPICIOUS_GROWTHS) | (
-        (clean_growths > 0) & (loss_scale >= SUSPICIOUS_SCALE))
+        (clean_growths > 0) & (loss_scale >= SUSPICIOUS_SCALE_LIMIT))
 
 
 METRICS_OF_A_SCALER = (
