@@ -85,12 +85,18 @@ _LAZY = {"orbax_save_args": ("loss_scaling.checkpoint.orbax", "save_args"),
 
 def __getattr__(name: str) -> object:
     """``loss_scaling.nnx`` / ``loss_scaling.equinox`` and the Orbax helpers, imported on
-    first use."""
+    first use; a renamed name, with a ``DeprecationWarning`` (``_deprecation.RENAMES``)."""
     import importlib
+
+    from loss_scaling._deprecation import package_alias
 
     if name in ("nnx", "equinox", "orbax", "debug"):
         return importlib.import_module(f"loss_scaling.{name}")
     if name in _LAZY:
         module, attribute = _LAZY[name]
         return getattr(importlib.import_module(module), attribute)
+    renamed = package_alias(name)
+    if renamed is not None:  # an old name: its new one, with a DeprecationWarning
+        renamed.warn()
+        return globals()[renamed.new] if renamed.new in globals() else __getattr__(renamed.new)
     raise AttributeError(f"module 'loss_scaling' has no attribute {name!r}")

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from loss_scaling import _errors
+from loss_scaling._deprecation import LAST_STEP_FINITE
 from loss_scaling._errors import Failure
 from loss_scaling.core.numerics import AxisName
 from loss_scaling.core.scalers import LossScale
@@ -91,6 +92,12 @@ class LossScalingState(NamedTuple):
         finite; the state healthy). Derived, not stored: an applied step resets
         ``consecutive_skips`` and a skipped one makes it positive (it saturates)."""
         return self.consecutive_skips == 0
+
+    @property
+    def last_step_finite(self) -> jax.Array:
+        """Deprecated: :attr:`last_step_applied` (a field of the state until 250089d)."""
+        LAST_STEP_FINITE.warn()
+        return self.last_step_applied
 
 
 class UnderflowStats(NamedTuple):

@@ -1,0 +1,48 @@
+"""Renamed public names: each old name still answers, with a ``DeprecationWarning`` that
+names the new one. Every rename is one :class:`Renamed` entry in :data:`RENAMES`."""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+RENAMED = (
+    "{owner}.{old} is deprecated (renamed in {since}): use {owner}.{new}, which it returns. "
+    "The old name will be removed in a later release."
+)
+
+
+class Renamed(NamedTuple):
+    """One renamed public name.
+
+    Attributes:
+      owner: where the name lives: a class name (``"LossScalingState"``: the class keeps
+        a property under the old name), or ``"loss_scaling"`` for a name of the package
+        (the package's ``__getattr__`` answers it).
+      old: the name before.
+      new: the name now.
+      since: the change that renamed it.
+    """
+
+    owner: str
+    old: str
+    new: str
+    since: str
+
+    def warn(self, stacklevel: int = 3) -> None:
+        """The ``DeprecationWarning``, pointed at the caller of the old name's accessor."""
+        warnings.warn(RENAMED.format(**self._asdict()), DeprecationWarning,
+                      stacklevel=stacklevel)
+
+
+LAST_STEP_FINITE = Renamed("LossScalingState", "last_step_finite", "last_step_applied",
+                           since="issue 34")
+"""A field of the state until 250089d, whose checkpoints restore today."""
+
+RENAMES: tuple[Renamed, ...] = (LAST_STEP_FINITE,)
+"""Every public name renamed since checkpoints were first treated as released (250089d)."""
+
+
+def package_alias(name: str) -> Renamed | None:
+    """The entry for an old name of the package itself (``loss_scaling.<name>``), if any."""
+    return next((r for r in RENAMES if r.owner == "loss_scaling" and r.old == name), None)
