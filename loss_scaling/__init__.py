@@ -10,6 +10,7 @@ from loss_scaling.checkpoint.config import check_same_config, restore_with_confi
 from loss_scaling.checkpoint.flax_record import from_bytes
 from loss_scaling.checkpoint.restore import restore_loss_scale
 from loss_scaling.checkpoint.state_dict import FORMAT_VERSION, from_state_dict, state_dict
+from loss_scaling.checkpoint.upgrade import target_as_saved, upgrade_restored
 from loss_scaling.core.scalers import (
     DynamicLossScale,
     LossScale,
@@ -68,8 +69,10 @@ __all__ = [
     "restore_with_config",
     "scale",
     "state_dict",
+    "target_as_saved",
     "unscale",
     "update",
+    "upgrade_restored",
     "value_and_grad",
     "with_loss_scaling",
 ]

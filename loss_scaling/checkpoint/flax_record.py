@@ -16,6 +16,7 @@ import numpy as np
 
 from loss_scaling._errors import RestoreError, show
 from loss_scaling.checkpoint.state_dict import _concrete, _host_array
+from loss_scaling.checkpoint.upgrade import as_saved, saved_at, upgrade_restored
 from loss_scaling.core.scalers import (
     FLOAT_LEAVES,
     SCALER_TYPES,
@@ -223,11 +224,6 @@ def _flax_from_state_dict(target: LossScale, state: Any) -> LossScale:
     return jax.tree.unflatten(treedef, leaves)
 
 
-def _state_key(key: Any) -> str:
-    """The key flax's state dict has for one step of a jax key path."""
-    return str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
-
-
 def _bare_optimizer_states(target: Any, state: Any) -> list[str]:
     """Paths where ``target`` has a ``LossScalingState`` but the decoded ``state`` holds
     a mapping without its ``scaler`` / ``inner_state`` fields (a checkpoint of the bare
@@ -237,12 +233,9 @@ def _bare_optimizer_states(target: Any, state: Any) -> list[str]:
 
     bare = []
     for path, node in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_wrapper)[0]:
-        if not is_wrapper(node):
-            continue
-        saved = state
-        for key in path:
-            saved = saved.get(_state_key(key)) if isinstance(saved, Mapping) else None
-        if isinstance(saved, Mapping) and not {"scaler", "inner_state"} & set(saved):
+        saved = saved_at(state, path)
+        if is_wrapper(node) and isinstance(saved, Mapping) and not {
+                "scaler", "inner_state"} & set(saved):
             bare.append("./" + jax.tree_util.keystr(path, simple=True, separator="/"))
     return bare
 
@@ -300,8 +293,9 @@ def from_bytes(target: Any, encoded: bytes) -> Any:
         raise ValueError(PRE_LOSS_SCALING.format(
             where=f"the bytes hold no loss-scale state at {', '.join(map(repr, bare))}, where "
                   "the target has a with_loss_scaling state"))
+    saved_target = as_saved(target, state)  # a ValueError naming fields no version wrote
     try:
-        return flax.serialization.from_state_dict(target, state)
+        restored = flax.serialization.from_state_dict(saved_target, state)
     except RestoreError:
         raise  # ours, naming the field
     except Exception as error:
@@ -309,6 +303,7 @@ def from_bytes(target: Any, encoded: bytes) -> Any:
             f"{type(error).__name__}: {show(str(error))}")
         raise ValueError(f"cannot restore {where}: the decoded bytes do not match the "
                          f"target's structure ({shown}).") from None
+    return upgrade_restored(restored, target)
 
 
 for _cls in SCALER_TYPES:

@@ -16,6 +16,7 @@ from loss_scaling._errors import show
 from loss_scaling.checkpoint.flax_record import PRE_LOSS_SCALING
 from loss_scaling.checkpoint.restore import replace_loss_scale, resolve
 from loss_scaling.checkpoint.state_dict import _host_array, from_state_dict, state_dict
+from loss_scaling.checkpoint.upgrade import target_as_saved, upgrade_restored
 from loss_scaling.core.scalers import FLOAT_LEAVES, LossScale, leaf_names, leaf_ndim
 from loss_scaling.lookup import get_loss_scale
 
@@ -180,6 +181,29 @@ def _saved_items(mngr: ocp.CheckpointManager, step: int) -> list[str] | None:
     return ["default"]
 
 
+def _restore_state(mngr: ocp.CheckpointManager, step: int, target: Any) -> Any:
+    """The state item restored into ``target``; a checkpoint of an earlier version's
+    fields (Orbax refuses another structure) through :func:`target_as_saved` and
+    :func:`upgrade_restored`. Today's checkpoints are read once, as before."""
+    def read(target: Any) -> Any:
+        return mngr.restore(step, args=ocp.args.Composite(
+            **{STATE_ITEM: ocp.args.StandardRestore(target)}))[STATE_ITEM]
+
+    try:
+        return read(target)
+    except Exception as error:
+        failed = error
+    try:  # the failed restore told the manager the item's handler: its metadata reads
+        metadata = mngr.item_metadata(step)[STATE_ITEM]
+    except Exception:
+        metadata = None
+    saved = target if metadata is None else target_as_saved(target, metadata)
+    structure: Any = jax.tree.structure(saved)
+    if structure == jax.tree.structure(target):
+        raise failed  # the fields are today's: Orbax's error is about something else
+    return upgrade_restored(read(saved), target)
+
+
 def _in_own_dtypes(abstract_state: Any, scaler: LossScale) -> Any:
     """``abstract_state`` with the scaler's leaves asking for their own dtypes (float32,
     int32), whatever the target says (an idiom restores every float leaf in bfloat16), so
@@ -257,8 +281,7 @@ def restore(
     key = _entry(abstract_state, path)
     new = _resolve(saved, saved_scaler, _get(abstract_state, key, path), adopt_config)
     target = _in_own_dtypes(abstract_state, _get(abstract_state, key, path))
-    restored = mngr.restore(step, args=ocp.args.Composite(
-        **{STATE_ITEM: ocp.args.StandardRestore(target)}))[STATE_ITEM]
+    restored = _restore_state(mngr, step, target)
     arrays = _values(_get(restored, key, path))
     for name, expected in _values(saved_scaler).items():  # float32 / int32, as saved
         got = arrays[name]  # in the saved dtype: _in_own_dtypes asked for it
