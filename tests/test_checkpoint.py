@@ -767,8 +767,8 @@ def test_the_guide_has_the_recipe_and_says_which_routes_check():
 
 
 def test_the_guides_blocks_run(tmp_path, monkeypatch, capsys):
-    (recipe_block, change_growth, _start_scaling, sharded, nnx_block, flax_block,
-     json_block) = guide_blocks()
+    (recipe_block, change_growth, _start_scaling, sharded, nnx_block, earlier_versions,
+     flax_block, json_block) = guide_blocks()
     ns = run_block(recipe_block, tmp_path, monkeypatch)
     assert capsys.readouterr().out == "16384.0 500\n"
     assert_bit_identical(ns["resumed"], ns["state"], same_treedef=False)
@@ -793,6 +793,11 @@ def test_the_guides_blocks_run(tmp_path, monkeypatch, capsys):
     ns = run_block(nnx_block, tmp_path, monkeypatch)
     assert capsys.readouterr().out == "16384.0\n"
     assert int(ls.metrics(ns["optimizer2"])["skipped_steps"]) == 1
+
+    # A checkpoint with 250089d's fields, through Orbax's own API in two steps.
+    ns = run_block(earlier_versions, tmp_path, monkeypatch)
+    assert capsys.readouterr().out == "LossScalingState True\n"
+    assert_bit_identical(ns["restored"], ns["state"])
 
     run_block(flax_block, tmp_path, monkeypatch)
     assert "loss-scale state at './opt_state/scaler'" in capsys.readouterr().out
