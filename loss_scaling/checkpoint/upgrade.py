@@ -17,7 +17,7 @@ import numpy as np
 
 from loss_scaling._errors import show
 from loss_scaling.checkpoint.state_dict import _host_array, place_like
-from loss_scaling.core.scalers import DynamicLossScale, leaf_names
+from loss_scaling.core.scalers import HEADROOM_LEAVES, DynamicLossScale, leaf_names
 from loss_scaling.wrapper.state import LossScalingState
 
 __all__ = ["FIELD_CHANGES", "FieldAdded", "FieldRemoved", "target_as_saved",
@@ -96,67 +96,58 @@ An entry whose field the state does not have (yet) is never used."""
 # ------------------------------------------------------------------ the states' fields
 
 
-def _is_wrapper_mapping(node: Any) -> bool:
-    """A wrapper state as an ``nnx.State`` holds it: a mapping of its fields (those
-    without leaves dropped)."""
-    return isinstance(node, Mapping) and _ALWAYS_PRESENT <= set(node) and not isinstance(
-        node, LossScalingState)
-
-
 # The wrapper fields that always hold leaves, whatever the options: what identifies a
 # wrapper state's mapping (an nnx.State drops fields without leaves).
 _ALWAYS_PRESENT = frozenset(LossScalingState._fields) - {"scaler", "inner_state", "underflow"}
 
 
-class _Kind(NamedTuple):
-    """How one kind of state is found in a target, and its fields read and rebuilt."""
-
-    name: str
-    is_node: Callable[[Any], bool]
-    fields: Callable[[Any], Sequence[str]]
-    rebuild: Callable[[Any, dict[str, Any]], Any]  # (target node, values by name)
-
-
-def _fields(node: Any) -> Sequence[str]:
-    if isinstance(node, Mapping):
-        return list(node)
-    if isinstance(node, DynamicLossScale):
-        return leaf_names(node)
-    return list(node._fields)  # a NamedTuple
-
-
-def _mapping_like(node: Mapping[str, Any], values: Mapping[str, Any]) -> Any:
-    """A mapping of ``node``'s type (a dict, an ``nnx.State``) holding ``values``."""
-    mapping_type: Any = type(node)
-    return mapping_type(values)
-
-
-def _rebuild_wrapper(target: Any, values: dict[str, Any]) -> Any:
-    if isinstance(target, Mapping):
-        return _mapping_like(target, {name: values[name] for name in target})
-    return LossScalingState(**values)
-
-
-def _rebuild_scaler(target: Any, values: dict[str, Any]) -> Any:
-    if isinstance(target, Mapping):
-        return _mapping_like(target, {name: values[name] for name in target})
-    return DynamicLossScale._from_parts(
-        target.config, tuple(values[name] for name in leaf_names(target)))
-
-
-_KINDS = (
-    _Kind("LossScalingState",
-          lambda x: isinstance(x, LossScalingState) or _is_wrapper_mapping(x),
-          _fields, _rebuild_wrapper),
-    _Kind("DynamicLossScale",
-          lambda x: isinstance(x, DynamicLossScale) or _is_scaler_mapping(x),
-          _fields, _rebuild_scaler),
-)
+def _is_wrapper_mapping(node: Any) -> bool:
+    """A wrapper state as an ``nnx.State`` holds it: a mapping of its fields (those
+    without leaves dropped)."""
+    return isinstance(node, Mapping) and (
+        _ALWAYS_PRESENT <= set(node) <= set(LossScalingState._fields))
 
 
 def _is_scaler_mapping(node: Any) -> bool:
-    """A dynamic scaler as an ``nnx.State`` holds it (under a wrapper mapping's "scaler")."""
-    return isinstance(node, Mapping) and {"loss_scale", "growth_tracker"} <= set(node)
+    """A dynamic scaler as an ``nnx.State`` holds it: a mapping of its leaves."""
+    return isinstance(node, Mapping) and (
+        {"loss_scale", "growth_tracker"} <= set(node) <= set(HEADROOM_LEAVES))
+
+
+def _fields(node: Any) -> list[str]:
+    """A state's fields: a mapping's keys, a scaler's leaves, a NamedTuple's fields."""
+    if isinstance(node, Mapping):
+        return list(node)
+    if isinstance(node, DynamicLossScale):
+        return list(leaf_names(node))
+    return list(node._fields)
+
+
+class _Kind(NamedTuple):
+    """One kind of state: how it is found in a target, and built from its fields."""
+
+    name: str
+    is_node: Callable[[Any], bool]
+    build: Callable[[Any, dict[str, Any]], Any]  # (target node, values by name)
+
+    def rebuild(self, target: Any, values: dict[str, Any]) -> Any:
+        """A node of ``target``'s type and fields holding ``values`` (an ``nnx.State``
+        mapping keeps its type)."""
+        if isinstance(target, Mapping):
+            mapping_type: Any = type(target)
+            return mapping_type({name: values[name] for name in target})
+        return self.build(target, values)
+
+
+_KINDS = (  # holders before what they hold
+    _Kind("LossScalingState",
+          lambda x: isinstance(x, LossScalingState) or _is_wrapper_mapping(x),
+          lambda target, values: LossScalingState(**values)),
+    _Kind("DynamicLossScale",
+          lambda x: isinstance(x, DynamicLossScale) or _is_scaler_mapping(x),
+          lambda target, values: DynamicLossScale._from_parts(
+              target.config, tuple(values[name] for name in leaf_names(target)))),
+)
 
 
 @functools.cache
@@ -329,7 +320,7 @@ def as_saved(target: Any, tree: Any,
             saved_node = saved_at(tree, path)
             if not isinstance(saved_node, Mapping):  # a record, or nothing to compare
                 return node
-            fields = list(kind.fields(node))
+            fields = _fields(node)
             added, removed = _difference(kind.name, fields, list(saved_node), path, changes)
             if not added and not removed:
                 return node
@@ -338,7 +329,8 @@ def as_saved(target: Any, tree: Any,
             for change in removed:
                 values[change.name] = _placeholder(values[change.like], change.dtype)
             if isinstance(node, Mapping):
-                return _mapping_like(node, values)
+                mapping_type: Any = type(node)
+                return mapping_type(values)
             return _saved_type(kind.name, tuple(values))(**values)
 
         target = jax.tree_util.tree_map_with_path(convert, target, is_leaf=kind.is_node)
@@ -414,9 +406,8 @@ def upgrade_restored(restored: Any, target: Any, *,
             if not kind.is_node(target_node) or (
                     type(node) is type(target_node) and not isinstance(node, Mapping)):
                 return node
-            fields = list(kind.fields(target_node))
-            added, removed = _difference(kind.name, fields, list(_fields(node)), path,
-                                         changes)
+            fields = _fields(target_node)
+            added, removed = _difference(kind.name, fields, _fields(node), path, changes)
             if not added and not removed:
                 return node
             values = {name: _value(node, name) for name in _fields(node)}
