@@ -248,6 +248,9 @@ def from_bytes(target: Any, encoded: bytes) -> Any:
     own errors there, naming no field. This function turns those into a ``ValueError``
     naming the loss-scale states of ``target`` (one ``except ValueError`` handles every
     corrupted checkpoint), and names a checkpoint saved before loss scaling was added.
+    Bytes written by an earlier version of loss_scaling, whose loss-scaling state held
+    other fields, restore into today's (:func:`loss_scaling.target_as_saved`,
+    :func:`loss_scaling.upgrade_restored`), where plain flax refuses them.
 
     Args:
       target: the restore target, as for ``flax.serialization.from_bytes``.

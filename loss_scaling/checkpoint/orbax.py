@@ -233,6 +233,10 @@ def restore(
 ) -> Any:
     """Restores a state saved with :func:`save_args`, its loss scale checked.
 
+    A checkpoint written by an earlier version of loss_scaling, whose loss-scaling state
+    held other fields, restores too (:func:`loss_scaling.target_as_saved`,
+    :func:`loss_scaling.upgrade_restored`); today's checkpoints are read once, as before.
+
     Args:
       mngr: the ``ocp.CheckpointManager``.
       abstract_state: the restore target, built from scratch on resume
