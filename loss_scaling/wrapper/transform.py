@@ -38,7 +38,11 @@ from loss_scaling.core.update import (
     step_recorded,
 )
 from loss_scaling.wrapper import provenance, replay
-from loss_scaling.wrapper.placement import refuse_not_outermost, wrapper_states_in
+from loss_scaling.wrapper.placement import (
+    refuse_inside_a_chain,
+    refuse_not_outermost,
+    wrapper_states_in,
+)
 from loss_scaling.wrapper.state import (
     _BELOW_F16_TINY,
     CONSUMED_EXTRA_ARGS,
@@ -201,6 +205,7 @@ def with_loss_scaling(
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScalingState]:
         refuse_other_state(state, "tx.update(grads, opt_state, params)")
+        refuse_inside_a_chain()  # reads its caller's frame: called here, directly
         _check_scaled(updates, state, params, "tx.update(grads, opt_state, params)")
         return guarded_step(options, updates, state, params, extra_args, fused=False)
 
