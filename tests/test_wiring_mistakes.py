@@ -205,7 +205,14 @@ def test_no_false_alarm_for_scaled_losses_or_gradients_passed_in(growth):
         jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))(grads, opt_state, PARAMS)
 
 
-def test_forgotten_scaling_is_named_for_nnx_and_equinox():
+def _warning(run):
+    with pytest.warns(ls.LossScaleWarning, match="without the loss scale") as record:
+        run()
+    return str(record[0].message)
+
+
+def test_forgotten_scaling_is_named_for_nnx_equinox_and_train_state_by_their_own_calls():
+    # Each message names the call the user made and the recipe with their arguments.
     model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
     optimizer = ls.nnx.Optimizer(model, ls.with_loss_scaling(optax.sgd(0.1)), wrt=nnx.Param)
     x = jnp.ones((3, 2))
@@ -215,8 +222,10 @@ def test_forgotten_scaling_is_named_for_nnx_and_equinox():
         grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)  # the mistake
         optimizer.update(model, grads)
 
-    with pytest.warns(ls.LossScaleWarning, match="without the loss scale"):
-        nnx_step(model, optimizer, x)
+    message = _warning(lambda: nnx_step(model, optimizer, x))
+    assert message.startswith("optimizer.update(model, grads):")
+    assert "ls.apply_gradients" not in message and "(`nnx.grad` instead" in message
+    assert "ls.value_and_grad(loss_fn)(optimizer, model, batch)" in message
 
     eqx_model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
     tx = ls.with_loss_scaling(optax.sgd(0.1))
@@ -227,8 +236,15 @@ def test_forgotten_scaling_is_named_for_nnx_and_equinox():
         grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
         return ls.equinox.apply_gradients(tx, grads, opt_state, model)
 
-    with pytest.warns(ls.LossScaleWarning, match="without the loss scale"):
-        eqx_step(eqx_model, opt_state, x)
+    message = _warning(lambda: eqx_step(eqx_model, opt_state, x))
+    assert message.startswith("ls.equinox.apply_gradients(tx, grads, opt_state, model):")
+    assert "ls.value_and_grad(loss_fn)(opt_state, model, batch)" in message
+
+    state = ls.TrainState.create(apply_fn=None, params=PARAMS, tx=wrapped())
+    message = _warning(lambda: jax.jit(
+        lambda s: s.apply_gradients(grads=jax.grad(loss_fn)(s.params)))(state))
+    assert message.startswith("state.apply_gradients(grads=grads):")
+    assert "ls.value_and_grad(loss_fn)(state, state.params, batch)" in message
 
 
 @MAYBE_JIT
@@ -239,8 +255,8 @@ def test_ls_scale_inside_a_loss_given_to_value_and_grad_is_refused(maybe_jit):
     def doubled(params):  # the mistake: ls.value_and_grad scales it again
         return ls.scale(ls.get_loss_scale(opt_state), loss_fn(params))
 
-    with pytest.raises(ValueError, match=r"inside the loss function given to "
-                                         r"ls.value_and_grad.*scaled twice"):
+    with pytest.raises(ValueError, match=r"function given to ls.value_and_grad returned was "
+                                         r"already scaled.*scaled twice"):
         maybe_jit(ls.value_and_grad(doubled))(opt_state, PARAMS)
     # Outside it, ls.scale works as before, and an inner ls.value_and_grad inside a loss
     # (a meta-gradient) scales its own loss without complaint.
