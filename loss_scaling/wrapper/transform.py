@@ -139,7 +139,8 @@ def with_loss_scaling(
 
     Raises:
       ValueError: for an invalid option; from ``update``, with replay on and no
-        ``value_fn=``.
+        ``value_fn=``, or when ``optax.chain`` runs it with another transformation
+        before or after it (put the wrapper outermost).
       TypeError: if ``inner`` is not an optax transformation or ``scaler`` not a
         loss-scale state; from ``init``, for a params dtype without a zero
         (``float8_e8m0fnu``), which no skipped step can keep.
