@@ -13,6 +13,7 @@ from loss_scaling._errors import NoLossScaleFound, show
 from loss_scaling.core import tree
 from loss_scaling.core.scalers import SCALER_TYPES
 from loss_scaling.lookup import get_loss_scale, refuse_misplaced_wrapper
+from loss_scaling.wrapper import provenance
 
 __all__ = ["value_and_grad"]
 
@@ -107,11 +108,12 @@ def split_loss_and_aux(fun: Callable[..., Any], out: Any, has_aux: bool) -> tupl
 def scaled_loss(fun: Callable[..., Any], has_aux: bool, scaler: Any, /, *args: Any,
                 **kwargs: Any) -> tuple[Any, tuple[Any, Any]]:
     """``(scaled loss, (loss, aux))`` of ``fun``: the one place the loss functions given
-    to ``value_and_grad`` (and the integrations') are called and scaled. A ``ls.scale``
-    inside ``fun`` raises (the loss would be scaled twice)."""
-    with tree.scaling_a_loss():
-        out = fun(*args, **kwargs)
-    loss, aux = split_loss_and_aux(fun, out, has_aux)
+    to ``value_and_grad`` (and the integrations') are called and scaled. A loss that
+    ``fun`` scaled already is refused (read from the program, not from a call made while
+    ``fun`` runs: a jitted ``fun`` may come from JAX's cache without running)."""
+    loss, aux = split_loss_and_aux(fun, fun(*args, **kwargs), has_aux)
+    if provenance.scaled_in_forward(loss):
+        raise ValueError(provenance.SCALED_TWICE)
     return tree.scale_loss(scaler, loss), (loss, aux)
 
 
@@ -161,7 +163,9 @@ def value_and_grad(
         model passed first), when ``fun``'s output does not match ``has_aux``, or when
         ``has_aux=`` / ``argnums=`` is given to the returned function.
       ValueError: when the first argument holds no loss scale, or the wrapper inside
-        another transformation, or when ``fun`` calls ``ls.scale`` (scaled twice).
+        another transformation, or when the loss ``fun`` returns was scaled already
+        (``ls.scale`` in ``fun``: scaled twice; one inside an inner backward pass, a
+        gradient penalty's, is fine).
 
     Examples:
       >>> import jax.numpy as jnp

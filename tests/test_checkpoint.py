@@ -924,7 +924,7 @@ def test_a_checkpoint_saved_before_loss_scaling_is_named_and_the_recipe_starts_f
     old_tx = optax.adam(0.1)
     old = {"params": params, "opt_state": old_tx.init(params)}
     _, old["opt_state"] = old_tx.update({"w": jnp.ones(3)}, old["opt_state"], params)
-    tx = optax.chain(ls.with_loss_scaling(optax.adam(0.1)), optax.identity())
+    tx = optax.chain(ls.with_loss_scaling(optax.adam(0.1)))  # anything after it is refused
 
     def new_state():
         return {"params": params, "opt_state": tx.init(params)}

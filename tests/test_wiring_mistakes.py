@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from bitwise import assert_bit_identical, bits
 from flax import nnx
 from flax.training import train_state
 
@@ -109,22 +111,21 @@ def test_the_integrations_refuse_it_too():
         ls.value_and_grad(lambda m: jnp.sum(m.weight))(opt_state, eqx_model)
 
 
-def test_what_the_refusal_prevents_and_what_the_fix_does():
-    # The plain tx.update of a wrapper inside a chain cannot be refused (the wrapper's
-    # update sees only its own state): what it does is what the messages say.
+def test_the_plain_update_of_an_outer_chain_is_refused_and_the_fix_does_the_right_thing():
+    # The wrapper's own update sees that optax.chain runs it with something after (or
+    # before) it: refused in the plain path too, not only where the state is seen.
     params = jnp.array([1.0])
     decay_after = optax.chain(ls.with_loss_scaling(optax.sgd(0.1)),
                               optax.add_decayed_weights(0.1))
-    updates, _ = decay_after.update(jnp.array([NAN]), decay_after.init(params), params)
-    # A skipped step (NaN) and still the params move, by the decay term 0.1 * p.
-    assert float(optax.apply_updates(params, updates)[0]) == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="chained after it"):
+        decay_after.update(jnp.array([NAN]), decay_after.init(params), params)
     fixed = ls.with_loss_scaling(optax.chain(optax.sgd(0.1), optax.add_decayed_weights(0.1)))
     new, _ = ls.apply_gradients(fixed, jnp.array([NAN]), fixed.init(params), params)
     assert float(new[0]) == 1.0  # the skipped step keeps the params
     scaled = jnp.array([2.0**15])  # the gradient 1.0, scaled
     clip_before = optax.chain(optax.clip_by_global_norm(1.0), ls.with_loss_scaling(optax.sgd(1.0)))
-    updates, _ = clip_before.update(scaled, clip_before.init(params), params)
-    assert float(updates[0]) == pytest.approx(-2.0**-15)  # clipped, then unscaled
+    with pytest.raises(ValueError, match="chained before it"):
+        jax.jit(clip_before.update)(scaled, clip_before.init(params), params)
     fixed = ls.with_loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)))
     new, _ = ls.apply_gradients(fixed, scaled, fixed.init(params), params)
     assert float(new[0]) == 0.0  # unscaled, then clipped: the true step
@@ -204,7 +205,14 @@ def test_no_false_alarm_for_scaled_losses_or_gradients_passed_in(growth):
         jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))(grads, opt_state, PARAMS)
 
 
-def test_forgotten_scaling_is_named_for_nnx_and_equinox():
+def _warning(run):
+    with pytest.warns(ls.LossScaleWarning, match="without the loss scale") as record:
+        run()
+    return str(record[0].message)
+
+
+def test_forgotten_scaling_is_named_for_nnx_equinox_and_train_state_by_their_own_calls():
+    # Each message names the call the user made and the recipe with their arguments.
     model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
     optimizer = ls.nnx.Optimizer(model, ls.with_loss_scaling(optax.sgd(0.1)), wrt=nnx.Param)
     x = jnp.ones((3, 2))
@@ -214,8 +222,10 @@ def test_forgotten_scaling_is_named_for_nnx_and_equinox():
         grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)  # the mistake
         optimizer.update(model, grads)
 
-    with pytest.warns(ls.LossScaleWarning, match="without the loss scale"):
-        nnx_step(model, optimizer, x)
+    message = _warning(lambda: nnx_step(model, optimizer, x))
+    assert message.startswith("optimizer.update(model, grads):")
+    assert "ls.apply_gradients" not in message and "(`nnx.grad` instead" in message
+    assert "ls.value_and_grad(loss_fn)(optimizer, model, batch)" in message
 
     eqx_model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
     tx = ls.with_loss_scaling(optax.sgd(0.1))
@@ -226,8 +236,15 @@ def test_forgotten_scaling_is_named_for_nnx_and_equinox():
         grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
         return ls.equinox.apply_gradients(tx, grads, opt_state, model)
 
-    with pytest.warns(ls.LossScaleWarning, match="without the loss scale"):
-        eqx_step(eqx_model, opt_state, x)
+    message = _warning(lambda: eqx_step(eqx_model, opt_state, x))
+    assert message.startswith("ls.equinox.apply_gradients(tx, grads, opt_state, model):")
+    assert "ls.value_and_grad(loss_fn)(opt_state, model, batch)" in message
+
+    state = ls.TrainState.create(apply_fn=None, params=PARAMS, tx=wrapped())
+    message = _warning(lambda: jax.jit(
+        lambda s: s.apply_gradients(grads=jax.grad(loss_fn)(s.params)))(state))
+    assert message.startswith("state.apply_gradients(grads=grads):")
+    assert "ls.value_and_grad(loss_fn)(state, state.params, batch)" in message
 
 
 @MAYBE_JIT
@@ -238,8 +255,8 @@ def test_ls_scale_inside_a_loss_given_to_value_and_grad_is_refused(maybe_jit):
     def doubled(params):  # the mistake: ls.value_and_grad scales it again
         return ls.scale(ls.get_loss_scale(opt_state), loss_fn(params))
 
-    with pytest.raises(ValueError, match=r"inside the loss function given to "
-                                         r"ls.value_and_grad.*scaled twice"):
+    with pytest.raises(ValueError, match=r"function given to ls.value_and_grad returned was "
+                                         r"already scaled.*scaled twice"):
         maybe_jit(ls.value_and_grad(doubled))(opt_state, PARAMS)
     # Outside it, ls.scale works as before, and an inner ls.value_and_grad inside a loss
     # (a meta-gradient) scales its own loss without complaint.
@@ -364,3 +381,182 @@ def test_a_headroom_scale_grown_past_2_64_without_an_overflow_is_suspicious():
     assert bool(m["scale_suspicious"])
     with pytest.warns(ls.LossScaleWarning, match="without a single overflow"):
         ls.check(opt_state)
+
+
+# ------------------------------- 4. chains, containers and what each place can know
+
+class OwnTrainState(NamedTuple):
+    """A user's own train state, as many JAX codebases write it."""
+    params: Any
+    opt_state: Any
+
+
+class OwnCount(NamedTuple):
+    count: jax.Array
+
+
+def own_decay():
+    """A transformation of the user's own, stateless: its state is ``()``."""
+    def update(updates, state, params=None):
+        return jax.tree.map(lambda u, p: u - 0.1 * p, updates, params), state
+    return optax.GradientTransformation(lambda params: (), update)
+
+
+def own_counted_decay():
+    """The same with a NamedTuple state of its own (not optax's)."""
+    def update(updates, state, params=None):
+        return (jax.tree.map(lambda u, p: u - 0.1 * p, updates, params),
+                OwnCount(state.count + 1))
+    return optax.GradientTransformation(lambda params: OwnCount(jnp.zeros((), jnp.int32)),
+                                        update)
+
+
+def _plain_step(tx):
+    def step(g, s, p):
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates)
+    return step
+
+
+def _fused_step(tx):
+    return lambda g, s, p: ls.apply_gradients(tx, g, s, p)[0]
+
+
+@MAYBE_JIT
+def test_two_wrappers_chained_are_refused_as_unscaled_twice(maybe_jit):
+    # The gradients would be unscaled by each wrapper: divided by the scale twice.
+    for tx in (optax.chain(wrapped(), wrapped()),
+               optax.chain(wrapped(), optax.chain(wrapped())),
+               optax.named_chain(("a", wrapped()), ("b", wrapped()))):
+        opt_state = tx.init(PARAMS)
+        grads = jax.tree.map(lambda p: 8.0 * 2 * p, PARAMS)
+        for step in (_plain_step(tx), _fused_step(tx)):
+            with pytest.raises(ValueError, match=r"twice.*one after the other.*unscales the "
+                                                 r"updates of the first again"):
+                maybe_jit(step)(grads, opt_state, PARAMS)
+
+
+@MAYBE_JIT
+def test_two_wrappers_side_by_side_are_accepted(maybe_jit):
+    # A GAN: two optimizers, two states in one tuple, each updated with its own tx.
+    g_tx, d_tx = wrapped(), wrapped(optax.adam(1e-3))
+    states = (g_tx.init(PARAMS), d_tx.init(PARAMS))
+
+    def step(states, params):
+        (g_loss, g_grads) = ls.value_and_grad(loss_fn)(states[0], params)
+        d_loss, d_grads = ls.value_and_grad(loss_fn)(states[1], params)
+        g_params, g_state = ls.apply_gradients(g_tx, g_grads, states[0], params, loss=g_loss)
+        updates, d_state = d_tx.update(d_grads, states[1], params, loss=d_loss)
+        return g_params, (g_state, d_state)
+
+    g_params, states = maybe_jit(step)(states, PARAMS)
+    assert float(g_params["w"][0]) == pytest.approx(0.8)
+    ls.check(states, path="[0]")
+    assert int(maybe_jit(functools.partial(ls.metrics, path="[1]"))(states)[
+        "skipped_steps"]) == 0
+
+
+AFTER = {"own_empty": own_decay, "own_named": own_counted_decay,
+         "decay": lambda: optax.add_decayed_weights(0.1),
+         "adam": lambda: optax.adam(0.1)}
+
+
+@pytest.mark.parametrize("after", AFTER)
+@MAYBE_JIT
+def test_anything_chained_after_the_wrapper_is_refused_where_it_runs(after, maybe_jit):
+    # On a skipped step the transformation after the wrapper would still move the params
+    # (1.0 -> 0.9 for the decays): refused in both paths, eagerly and under jit.
+    params = jnp.array([1.0])
+    tx = optax.chain(ls.with_loss_scaling(optax.sgd(0.1)), AFTER[after]())
+    opt_state = tx.init(params)
+    for step in (_plain_step(tx), _fused_step(tx)):
+        with pytest.raises(ValueError, match=r"optax.chain.*chained after it.*move on a "
+                                             r"skipped step.*outermost"):
+            maybe_jit(step)(jnp.array([NAN]), opt_state, params)
+
+
+def test_an_empty_state_after_the_wrapper_is_refused_where_only_the_state_is_seen():
+    # A state () or EmptyState() beside the wrapper's holds no optimizer: a chain's.
+    params = jnp.array([1.0])
+    for make in (own_decay, lambda: optax.add_decayed_weights(0.1)):
+        opt_state = optax.chain(ls.with_loss_scaling(optax.sgd(0.1)), make()).init(params)
+        for call in (ls.check, ls.metrics,
+                     lambda s: ls.value_and_grad(jnp.sum)(s, params)):
+            with pytest.raises(ValueError, match="chained after it"):
+                call(opt_state)
+
+
+@pytest.mark.parametrize("after", AFTER)
+@MAYBE_JIT
+def test_the_fix_keeps_a_skipped_step_bit_identical(after, maybe_jit):
+    params = {"w": jnp.array([1.0, -0.0]), "v": jnp.array([3.0])}
+    tx = ls.with_loss_scaling(optax.chain(optax.sgd(0.1), AFTER[after]()))
+    opt_state = tx.init(params)
+    nan = {"w": jnp.array([NAN, 1.0]), "v": jnp.array([1.0])}
+    before = bits((params, opt_state.inner_state))
+    for step in (_plain_step(tx), _fused_step(tx)):
+        new = maybe_jit(step)(nan, opt_state, params)
+        assert_bit_identical(before[:len(jax.tree.leaves(params))], new)
+
+
+@MAYBE_JIT
+def test_a_users_named_tuple_train_state_is_accepted(maybe_jit):
+    tx = wrapped()
+    state = OwnTrainState(PARAMS, tx.init(PARAMS))
+
+    def step(state):
+        loss, grads = ls.value_and_grad(loss_fn)(state, state.params)
+        params, opt_state = ls.apply_gradients(tx, grads, state.opt_state, state.params,
+                                               loss=loss)
+        new = OwnTrainState(params, opt_state)
+        return new, ls.metrics(new)
+
+    new, metrics = maybe_jit(step)(state)
+    assert float(new.params["w"][0]) == pytest.approx(0.8)
+    assert int(metrics["skipped_steps"]) == 0
+    ls.check(new)
+    assert float(ls.get_loss_scale(new).loss_scale) == 8.0
+
+
+OTHER_OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-3),
+    "sgd": lambda: optax.sgd(0.1),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+    "counted": own_counted_decay,
+}
+CONTAINERS = {
+    "tuple": lambda a, b: (a, b),
+    "tuple_reversed": lambda a, b: (b, a),
+    "list": lambda a, b: [a, b],
+    "dict": lambda a, b: {"generator": a, "critic": b},
+    "named_tuple": lambda a, b: OwnTrainState(a, b),
+}
+
+
+@pytest.mark.parametrize("container", CONTAINERS)
+@pytest.mark.parametrize("other", OTHER_OPTIMIZERS)
+def test_a_container_of_complete_optimizer_states_is_accepted(container, other):
+    # The wrapper's state beside another optimizer's, in any container.
+    states = CONTAINERS[container](wrapped().init(PARAMS), OTHER_OPTIMIZERS[other]().init(PARAMS))
+    ls.check(states)
+    assert int(jax.jit(ls.metrics)(states)["skipped_steps"]) == 0
+    loss, grads = jax.jit(ls.value_and_grad(loss_fn))(states, PARAMS)
+    assert float(grads["w"][0]) == 8.0 * 2.0
+    ls.TrainState.create(apply_fn=None, params=PARAMS, tx=wrapped())  # its own tx: fine
+
+
+@pytest.mark.parametrize("other", ["adam", "inject_hyperparams", "counted"])
+def test_a_chain_whose_state_looks_like_a_container_is_refused_where_its_update_runs(other):
+    # optax.chain(wrapper, adam)'s state is exactly the tuple (wrapper state, adam state):
+    # the state alone cannot tell, so check/metrics accept it, and the update refuses it.
+    tx = optax.chain(wrapped(), OTHER_OPTIMIZERS[other]())
+    opt_state = tx.init(PARAMS)
+    ls.check(opt_state)
+    grads = jax.tree.map(jnp.ones_like, PARAMS)
+    ts = ls.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
+    for step in (lambda: tx.update(grads, opt_state, PARAMS),
+                 lambda: jax.jit(tx.update)(grads, opt_state, PARAMS),
+                 lambda: ls.apply_gradients(tx, grads, opt_state, PARAMS),
+                 lambda: jax.jit(lambda ts: ts.apply_gradients(grads=grads))(ts)):
+        with pytest.raises(ValueError, match="chained after it"):
+            step()

@@ -6,10 +6,8 @@ shortcut is exact: :mod:`loss_scaling.core.numerics`.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -33,17 +31,7 @@ from loss_scaling.core.scalers import (
     require_scaler,
 )
 
-__all__ = ["all_finite", "any_leaf", "grads_max", "scale", "scaling_a_loss", "unscale"]
-
-SCALED_TWICE = (
-    "ls.scale was called inside the loss function given to ls.value_and_grad, which "
-    "scales the loss itself: the loss would be scaled twice (by the scale squared). Return "
-    "the plain loss from the loss function, or differentiate `ls.scale(s, loss_fn(...))` "
-    "with `jax.grad` (docs/common_mistakes.md, \"Scaling forgotten or doubled\")."
-)
-
-_SCALING_A_LOSS: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "loss_scaling_scaling_a_loss", default=False)
+__all__ = ["SCALED_BY", "all_finite", "any_leaf", "grads_max", "scale", "unscale"]
 
 
 def any_leaf(pred: Callable[[Any], bool], tree: Any) -> bool:
@@ -51,19 +39,8 @@ def any_leaf(pred: Callable[[Any], bool], tree: Any) -> bool:
     return any(map(pred, jax.tree.leaves(tree, is_leaf=pred)))
 
 
-@contextlib.contextmanager
-def scaling_a_loss() -> Iterator[None]:
-    """While ``ls.value_and_grad`` calls the loss function (a trace-time fact): a
-    :func:`scale` inside it would scale the loss a second time, and raises."""
-    token = _SCALING_A_LOSS.set(True)
-    try:
-        yield
-    finally:
-        _SCALING_A_LOSS.reset(token)
-
-
 def scale_loss(state: LossScale, loss: Any) -> Any:
-    """:func:`scale` for ``ls.value_and_grad`` itself (no double-scaling check)."""
+    """:func:`scale` without the argument check (``ls.value_and_grad``'s own scaling)."""
     if isinstance(state, NoOpLossScale):
         return loss
     return _times_factor(state.loss_scale, loss)
@@ -79,6 +56,11 @@ def _times_factor(factor: jax.Array, tree: Any) -> Any:
         return _per_part(x, lambda part: part.astype(compute) * factor.astype(compute))
 
     return jax.tree.map(leaf, tree)
+
+
+SCALED_BY: str = _times_factor.__name__  # type: ignore[attr-defined]
+"""The name under which :func:`scale` (and ``ls.value_and_grad``'s own scaling) appears in
+a program, a ``jit`` of that name: what :mod:`loss_scaling.wrapper.provenance` looks for."""
 
 
 @jax.jit
@@ -102,8 +84,6 @@ def scale(state: LossScale, tree: Any) -> Any:
 
     Raises:
       TypeError: if ``state`` is not a loss-scale state.
-      ValueError: when called inside a loss function that ``ls.value_and_grad`` is
-        differentiating (it scales the loss itself: the loss would be scaled twice).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -113,8 +93,6 @@ def scale(state: LossScale, tree: Any) -> Any:
       Array(131072., dtype=float32)
     """
     require_scaler("state", state)
-    if _SCALING_A_LOSS.get():
-        raise ValueError(SCALED_TWICE)
     return scale_loss(state, tree)
 
 

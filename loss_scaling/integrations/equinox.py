@@ -16,9 +16,15 @@ from loss_scaling import _registry
 from loss_scaling.core.tree import any_leaf
 from loss_scaling.grad import argnums_within, scaled_loss, scaler_of_state
 from loss_scaling.lookup import all_wrapper_states
+from loss_scaling.wrapper import provenance
 from loss_scaling.wrapper.transform import apply_gradients as _apply_gradients
 
 __all__ = ["apply_gradients", "filter_value_and_grad"]
+
+CALLER = provenance.Caller(
+    call="ls.equinox.apply_gradients(tx, grads, opt_state, model)", grad="`eqx.filter_grad`",
+    recipe="ls.value_and_grad(loss_fn)(opt_state, model, batch)")
+"""How the trace-time messages name this entry point and its recipe."""
 
 
 def filter_value_and_grad(
@@ -123,7 +129,8 @@ def apply_gradients(
     value_fn = extra_args.get("value_fn")
     if callable(value_fn):  # the model's loss, as the trained arrays' loss
         extra_args["value_fn"] = lambda p: value_fn(eqx.combine(p, static))
-    params, opt_state = _apply_gradients(tx, grads, opt_state, params, **extra_args)
+    with provenance.called_as(CALLER):
+        params, opt_state = _apply_gradients(tx, grads, opt_state, params, **extra_args)
     return eqx.combine(params, static), opt_state
 
 

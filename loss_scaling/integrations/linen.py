@@ -10,9 +10,15 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
 from loss_scaling.lookup import refuse_misplaced_wrapper
+from loss_scaling.wrapper import provenance
 from loss_scaling.wrapper.transform import apply_gradients
 
 __all__ = ["TrainState"]
+
+CALLER = provenance.Caller(
+    call="state.apply_gradients(grads=grads)",
+    recipe="ls.value_and_grad(loss_fn)(state, state.params, batch)")
+"""How the trace-time messages name this entry point and its recipe."""
 
 
 class TrainState(train_state.TrainState):
@@ -63,8 +69,9 @@ class TrainState(train_state.TrainState):
             value_fn, rest = extra["value_fn"], self.params[OVERWRITE_WITH_GRADIENT]
             extra["value_fn"] = lambda p: value_fn({"params": p,
                                                     OVERWRITE_WITH_GRADIENT: rest})
-        new_params, opt_state = apply_gradients(self.tx, grads_with_opt, self.opt_state,
-                                                params_with_opt, **extra)
+        with provenance.called_as(CALLER):
+            new_params, opt_state = apply_gradients(self.tx, grads_with_opt, self.opt_state,
+                                                    params_with_opt, **extra)
         if overwrite:
             new_params = {"params": new_params,
                           OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}

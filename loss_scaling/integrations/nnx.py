@@ -24,6 +24,7 @@ from loss_scaling.core.scalers import (
 from loss_scaling.core.tree import any_leaf
 from loss_scaling.grad import WRONG_FIRST_ARGUMENT, argnums_within, scaled_loss, scaler_of_state
 from loss_scaling.lookup import _get_wrapper_state, get_loss_scale, refuse_misplaced_wrapper
+from loss_scaling.wrapper import provenance
 from loss_scaling.wrapper.placement import wrapper_states_in
 from loss_scaling.wrapper.state import LossScalingState, UnderflowStats, carried_failure
 from loss_scaling.wrapper.transform import apply_gradients
@@ -31,6 +32,11 @@ from loss_scaling.wrapper.transform import apply_gradients
 __all__ = ["Optimizer", "value_and_grad"]
 
 CONFIG_METADATA = "loss_scale_config"  # Variable metadata set by Optimizer
+
+CALLER = provenance.Caller(
+    call="optimizer.update(model, grads)", grad="`nnx.grad`",
+    recipe="ls.value_and_grad(loss_fn)(optimizer, model, batch)")
+"""How the trace-time messages name ``Optimizer.update`` and its recipe."""
 
 
 def is_graph_node(x: Any) -> bool:
@@ -178,8 +184,9 @@ class Optimizer(nnx.Optimizer):
             rest = nnx.as_pure(rest)
             kwargs["value_fn"] = lambda params: value_fn(nnx.merge(graphdef, params, rest))
         kwargs_arrays = nnx.as_pure(kwargs)
-        new_params, new_opt_state = apply_gradients(
-            self.tx, grad_arrays, opt_state_arrays, param_arrays, **kwargs_arrays)
+        with provenance.called_as(CALLER):
+            new_params, new_opt_state = apply_gradients(
+                self.tx, grad_arrays, opt_state_arrays, param_arrays, **kwargs_arrays)
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
         self.step[...] += 1

@@ -3,37 +3,52 @@
 Only the wrapper's ``inner`` sees true gradients and is skipped. A transformation outside
 it sees the *scaled* gradients (a clip before it clips every step to a 1/scale-sized
 update) or runs on the steps the wrapper skips (a weight decay after it moves the params;
-``inject_hyperparams`` around it counts them). Every legitimate set-up can put the wrapper
-outermost (``ls.with_loss_scaling(optax.chain(clip, adamw(schedule)))``), so wherever the
-library sees a whole optimizer state (``ls.value_and_grad``, ``ls.apply_gradients``,
-``ls.TrainState.create``, ``ls.nnx.Optimizer``, the Equinox helpers, ``ls.check``,
-``ls.metrics``), a wrapper state inside another transformation's state is refused.
+``inject_hyperparams`` around it counts them; a second wrapper after it unscales the
+updates again). Every legitimate set-up can put the wrapper outermost
+(``ls.with_loss_scaling(optax.chain(clip, adamw(schedule)))``), so wherever the library
+sees a set-up, a wrapper inside another transformation is refused. It sees it in two
+places:
+
+* the wrapper's own update (plain or fused, eagerly or while traced) reads the frames of
+  its callers: run by ``optax.chain`` or ``optax.named_chain`` (at any depth of chains)
+  with anything before or after it, it refuses (:func:`refuse_inside_a_chain`);
+* wherever the library sees a whole optimizer state (``ls.value_and_grad``,
+  ``ls.apply_gradients``, ``ls.TrainState.create``, ``ls.nnx.Optimizer``, the Equinox
+  helpers, ``ls.check``, ``ls.metrics``), :func:`refuse_not_outermost` refuses what the
+  state alone proves: a wrapper state inside an optax transformation's state
+  (``InjectHyperparamsState``, ``MaskedState``, ``ApplyIfFiniteState``,
+  ``MultiStepsState``, a ``multi_transform`` group without a wrapper), or in a tuple
+  beside an empty state (``()``, ``EmptyState()``: a stateless transformation chained
+  before or after it, which no optimizer's state is).
 
 Allowed, because nothing outside the wrapper touches its gradients or its steps:
 
-* containers that are no optax transformation: dicts (an Orbax checkpoint's
-  ``{"params": ..., "opt_state": ...}``), a flax ``TrainState``, an ``nnx.Optimizer``
-  (already unwrapped by the caller), a tuple or list whose other elements hold no optax
-  state (``optax.chain(wrapper)`` of one);
+* containers of complete optimizer states: dicts (an Orbax checkpoint's
+  ``{"params": ..., "opt_state": ...}``), lists and tuples (a GAN's two states), a
+  NamedTuple of the user's (``TrainState(params, opt_state)``), a flax ``TrainState``, an
+  ``nnx.Optimizer`` (already unwrapped by the caller), ``optax.chain(wrapper)`` of one;
 * ``optax.multi_transform`` / ``optax.partition`` whose every group is a wrapper (one loss
   scale per loss, a GAN's): each group's gradients reach its own wrapper, masked, and
   nothing else.
 
-What cannot be told from a state: ``optax.named_chain`` (its state is a dict, as a
-checkpoint's container is), and the plain ``tx.update`` of a wrapper inside an outer
-``optax.chain`` (the wrapper's update sees only its own state).
+What the state alone cannot tell: ``optax.chain(wrapper, adam)``'s state is the tuple
+``(wrapper state, adam state)``, exactly a container's; ``optax.named_chain``'s is a dict.
+Those are accepted by the state checks and refused by the update, at the first step.
 """
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
 
 import jax
 import optax
 
-from loss_scaling.wrapper.state import LossScalingState
+from loss_scaling.wrapper.state import LossScalingState, WrapperOptions
 
-__all__ = ["misplaced_wrapper_reason", "refuse_not_outermost", "wrapper_states_in"]
+__all__ = ["misplaced_wrapper_reason", "refuse_inside_a_chain", "refuse_not_outermost",
+           "wrapper_states_in"]
 
 WRAPPER_NOT_OUTERMOST = (
     "This optimizer state holds `ls.with_loss_scaling(...)` inside another transformation "
@@ -92,11 +107,15 @@ def _holds_wrapper(tree: Any) -> bool:
     return any(map(_is_wrapper, jax.tree.leaves(tree, is_leaf=_is_wrapper)))
 
 
-def _holds_optax_state(tree: Any) -> bool:
-    """Whether ``tree`` holds an optax-like state (a NamedTuple such as ``EmptyState``)."""
-    def named(x: Any) -> bool:
-        return isinstance(x, tuple) and hasattr(x, "_fields")
-    return any(map(named, jax.tree.leaves(tree, is_leaf=named)))
+def _is_empty_state(x: Any) -> bool:
+    """``()`` or ``EmptyState()``: a stateless transformation's state, no optimizer's."""
+    return isinstance(x, tuple) and len(x) == 0
+
+
+def _is_optax_state(x: Any) -> bool:
+    """A state class of optax's own (a transformation's: a NamedTuple defined in optax)."""
+    return (isinstance(x, tuple) and hasattr(x, "_fields")
+            and type(x).__module__.split(".")[0] == "optax")
 
 
 def _message(outer: str, path: tuple[Any, ...], why: str) -> str:
@@ -115,18 +134,19 @@ def _walk(node: Any, path: tuple[Any, ...]) -> str | None:
         return None
     if isinstance(node, optax.MultiTransformState):
         return _walk_groups(node, path)
-    if isinstance(node, tuple) and hasattr(node, "_fields"):  # another transformation
+    if _is_optax_state(node):  # another transformation around the wrapper
         outer, why = _around(node)
         return _message(outer, path, why)
     children = _children(node)
-    if isinstance(node, (tuple, list)):  # optax.chain, or a container of the user's
+    if type(node) is tuple:  # optax.chain's state, or a container of the user's
+        # Only an empty state beside the wrapper's proves a chain: an optimizer's state
+        # holds something. A tuple of complete states (a GAN's) is a container.
         holders = [i for i, (_, child) in enumerate(children) if _holds_wrapper(child)]
-        first, last = holders[0], holders[-1]
-        before = any(_holds_optax_state(c) for _, c in children[:first])
-        after = any(_holds_optax_state(c) for _, c in children[last + 1:])
-        if before or after:
-            return _message("optax.chain", path,
-                            WHY_CHAINED_BEFORE if before else WHY_CHAINED_AFTER)
+        empties = [i for i, (_, child) in enumerate(children) if _is_empty_state(child)]
+        if any(i > holders[0] for i in empties):
+            return _message("optax.chain", path, WHY_CHAINED_AFTER)
+        if any(i < holders[-1] for i in empties):
+            return _message("optax.chain", path, WHY_CHAINED_BEFORE)
     for key, child in children:
         reason = _walk(child, (*path, key))
         if reason is not None:
@@ -160,6 +180,105 @@ def _walk_groups(node: Any, path: tuple[Any, ...]) -> str | None:
         return _message("optax.multi_transform", path, why).replace(
             f"{why} Put the wrapper outermost", f"{why} put the wrapper outermost")
     return None
+
+
+WRAPPER_TWICE = (
+    "This optimizer runs `ls.with_loss_scaling(...)` twice, one after the other in {outer} "
+    "(the wrapper at {where}): the second unscales the updates of the first again "
+    "(divided by the scale twice: every step 1/scale the size it should be) and skips on "
+    "its own. Wrap the optimizer once, around the whole of it: "
+    "`ls.with_loss_scaling(optax.chain(...))`; for two losses with two scales (a GAN), "
+    "give each optimizer its own state and update, or use `optax.multi_transform` with one "
+    "wrapper per group (docs/common_mistakes.md, \"Wiring the optimizer\")."
+)
+
+
+def refuse_inside_a_chain() -> None:
+    """Raises ``ValueError`` when the wrapper's update, which calls this directly, is run
+    by ``optax.chain`` or ``optax.named_chain`` with another transformation before or
+    after it (at any depth of chains): the plain ``tx.update`` of an outer chain, and
+    :func:`~loss_scaling.apply_gradients` given that chain.
+
+    It reads the callers' frames (optax's chain loop: how many states it has made, which
+    update functions it holds), a few attribute reads while tracing or per eager call;
+    where optax's code differs it says nothing (a test holds it to the current optax).
+    """
+    frame: types.FrameType | None = sys._getframe(2)  # the caller of the wrapper's update
+    path: list[Any] = []
+    try:
+        while frame is not None:
+            if frame.f_code is _EXTRA_ARGS_CODE:  # optax.with_extra_args_support's shim
+                frame = frame.f_back
+                continue
+            position = _chain_position(frame)
+            if position is None:
+                return
+            outer, key, before, after = position
+            path.insert(0, key)
+            if any(map(_runs_a_wrapper, before + after)):
+                raise ValueError(WRAPPER_TWICE.format(
+                    outer=outer, where=f"path {path_str(tuple(path))!r}"))
+            if after or before:
+                raise ValueError(_message(outer, tuple(path),
+                                          WHY_CHAINED_AFTER if after else WHY_CHAINED_BEFORE))
+            frame = frame.f_back
+    finally:
+        del frame  # a frame held here would keep its locals alive
+
+
+def _stateless() -> optax.GradientTransformation:
+    return optax.GradientTransformation(lambda params: (), lambda u, s, p=None: (u, s))
+
+
+# The code objects of optax's combinators, recognised in a caller's frame.
+_CHAIN_CODE = optax.chain(_stateless()).update.__code__
+_NAMED_CHAIN_CODE = optax.named_chain(("_", _stateless())).update.__code__
+_EXTRA_ARGS_CODE = optax.with_extra_args_support(_stateless()).update.__code__
+
+
+def _chain_position(frame: Any) -> tuple[str, Any, list[Any], list[Any]] | None:
+    """``(outer, key, before, after)`` when ``frame`` is an optax chain's update running
+    one of its transformations: the chain's name, that transformation's key in the
+    chain's state, and the update functions that run before and after it."""
+    code = frame.f_code
+    if code is not _CHAIN_CODE and code is not _NAMED_CHAIN_CODE:
+        return None
+    local = frame.f_locals
+    try:
+        index = len(local["new_state"])  # the states made so far: this one's position
+        if code is _CHAIN_CODE:
+            fns = list(local["update_fns"])
+            return "optax.chain", jax.tree_util.SequenceKey(index), fns[:index], fns[index + 1:]
+        names = [name for name, _ in local["transforms"]]
+        fns = [tx.update for _, tx in local["transforms"]]
+        return ("optax.named_chain", jax.tree_util.DictKey(names[index]), fns[:index],
+                fns[index + 1:])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+def _closure(fn: Any) -> dict[str, Any]:
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    names = getattr(code, "co_freevars", ())
+    try:
+        return {name: cell.cell_contents for name, cell in zip(names, cells, strict=True)}
+    except (ValueError, TypeError):  # an empty cell, or another shape of closure
+        return {}
+
+
+def _runs_a_wrapper(fn: Any, depth: int = 16) -> bool:
+    """Whether the update function ``fn`` is a wrapper's, or an optax chain's (or shim's)
+    holding one."""
+    if isinstance(getattr(fn, "options", None), WrapperOptions):
+        return True
+    code = getattr(fn, "__code__", None)
+    if depth == 0 or code not in (_CHAIN_CODE, _NAMED_CHAIN_CODE, _EXTRA_ARGS_CODE):
+        return False
+    closure = _closure(fn)
+    inner = (list(closure.get("update_fns", ()))
+             + [tx.update for _, tx in closure.get("transforms", ())]
+             + ([closure["tx"].update] if "tx" in closure else []))
+    return any(_runs_a_wrapper(f, depth - 1) for f in inner)
 
 
 WRAPPER_INSIDE_MULTISTEPS = (

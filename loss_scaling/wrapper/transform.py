@@ -38,7 +38,11 @@ from loss_scaling.core.update import (
     step_recorded,
 )
 from loss_scaling.wrapper import provenance, replay
-from loss_scaling.wrapper.placement import refuse_not_outermost, wrapper_states_in
+from loss_scaling.wrapper.placement import (
+    refuse_inside_a_chain,
+    refuse_not_outermost,
+    wrapper_states_in,
+)
 from loss_scaling.wrapper.state import (
     _BELOW_F16_TINY,
     CONSUMED_EXTRA_ARGS,
@@ -135,7 +139,8 @@ def with_loss_scaling(
 
     Raises:
       ValueError: for an invalid option; from ``update``, with replay on and no
-        ``value_fn=``.
+        ``value_fn=``, or when ``optax.chain`` runs it with another transformation
+        before or after it (put the wrapper outermost).
       TypeError: if ``inner`` is not an optax transformation or ``scaler`` not a
         loss-scale state; from ``init``, for a params dtype without a zero
         (``float8_e8m0fnu``), which no skipped step can keep.
@@ -201,12 +206,15 @@ def with_loss_scaling(
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScalingState]:
         refuse_other_state(state, "tx.update(grads, opt_state, params)")
-        _check_scaled(updates, state, params, "tx.update(grads, opt_state, params)")
+        refuse_inside_a_chain()  # reads its caller's frame: called here, directly
+        _check_scaled(updates, state, params, "tx.update(grads, opt_state, params)",
+                      initial_scaler)
         return guarded_step(options, updates, state, params, extra_args, fused=False)
 
     # On the update function too: a transformation rebuilt around it
     # (`GradientTransformationExtraArgs(tx.init, tx.update)`) keeps the fused path.
     update_fn.options = options  # type: ignore[attr-defined]
+    update_fn.initial_scaler = initial_scaler  # type: ignore[attr-defined]
     tx = LossScalingTransformation(init_fn, update_fn)
     tx.options = options
     return tx
@@ -261,7 +269,7 @@ def apply_gradients(
     if isinstance(options, WrapperOptions):
         call = "ls.apply_gradients(tx, grads, opt_state, params)"
         refuse_other_state(opt_state, call)
-        _check_scaled(grads, opt_state, params, call)
+        _check_scaled(grads, opt_state, params, call, getattr(tx.update, "initial_scaler", None))
         return guarded_step(options, grads, opt_state, params, extra_args, fused=True)
     if isinstance(opt_state, LossScalingState):
         raise TypeError(NOT_THE_WRAPPER.format(what=_errors.show(tx, type_only=True)))
@@ -567,11 +575,11 @@ def _optional_count(name: str, value: int | None) -> int | None:
     return None if value is None else validation.positive_int32(name, value)
 
 
-def _check_scaled(grads: Any, state: LossScalingState, params: Any, call: str) -> None:
-    """Trace time only, nothing compiled: gradients of a loss that was not scaled
-    (:mod:`loss_scaling.wrapper.provenance`)."""
-    if not isinstance(state.scaler, NoOpLossScale):
-        provenance.warn_if_loss_not_scaled(grads, state.scaler.loss_scale, params, call)
+def _check_scaled(grads: Any, state: LossScalingState, params: Any, call: str,
+                  initial_scaler: LossScale | None) -> None:
+    """Trace time only, nothing compiled: gradients of a loss not scaled by this state,
+    or made finite before the wrapper (:mod:`loss_scaling.wrapper.provenance`)."""
+    provenance.check_gradients(grads, state.scaler, params, call, initial_scaler)
 
 
 NOT_THE_WRAPPER = (
