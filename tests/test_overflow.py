@@ -658,6 +658,13 @@ def test_an_overflow_only_the_compiled_step_has_is_reported_as_such():
     assert str(healthy).startswith("find_overflow: the loss and every gradient")
     skipped = ls.find_overflow(amplified_loss, w, x, scale=scale, compiled=False)
     assert not skipped and skipped.compiled_finite is None
+    # float16_report's rows come from the op-by-op run: its notes say they disagree, and
+    # the verdict follows the compiled step (inf times any scale's cotangent)
+    table = ls.float16_report(amplified_loss, w, x, scale=scale)
+    assert table.fits is False and table.max_scale is None, table
+    assert all(np.isfinite(r.headroom) for r in table.rows), table
+    assert any("compiled step is not finite while the op-by-op run the rows come from is"
+               in n for n in table.notes), table.notes
 
 
 def test_both_agree_on_an_overflow_and_the_text_says_it_once():

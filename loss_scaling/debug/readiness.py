@@ -137,6 +137,10 @@ FIRST_OVERFLOW = (
     "first overflow: {where}, from finite inputs; its row is on top. Rows marked "
     "'(carries it)' read -inf only because its inf/NaN passes through them: fix the first "
     "(ls.find_overflow says more).")
+DISAGREE = (
+    "at scale {scale:g} the compiled step is {compiled} while the op-by-op run the rows "
+    "come from {op_by_op}: XLA folds, reorders and fuses float16 arithmetic; the verdict "
+    "follows the compiled step (ls.find_overflow says which gradients)")
 HYPOTHETICAL = (
     "no verdict: this model computes nothing in float16 or bfloat16. The rows hold every "
     "value to float16's range as if it were float16, but a float16 model keeps some "
@@ -200,10 +204,17 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
                 "finfo.min mask fill is): left out")) if count)
     first = min((k for k in reaching if k in made), default=None)
     rows, table_scale = _rows(values, p.scale, reaching, hypothetical, made, first)
-    max_scale = None if hypothetical else largest_finite_scale(p)
-    return Float16Report(rows, p.scale, None if hypothetical else max_scale is not None,
-                         max_scale, table_scale, hypothetical, notes,
-                         None if first is None else made[first][1])
+    if hypothetical:
+        return Float16Report(rows, p.scale, None, None, table_scale, True, notes,
+                             None if first is None else made[first][1])
+    step = _trace.compiled_step(p)
+    loss_finite, leaves_finite = step.finite(p.scale)
+    if (loss_finite and leaves_finite.all()) == bool(reaching):  # the two runs disagree
+        notes += (DISAGREE.format(scale=p.scale, compiled="finite" if reaching else
+                                  "not finite", op_by_op="is not" if reaching else "is"),)
+    max_scale = largest_finite_scale(step)
+    return Float16Report(rows, p.scale, max_scale is not None, max_scale, table_scale,
+                         False, notes, None if first is None else made[first][1])
 
 
 def _layer(where: Where) -> tuple[str, str]:
@@ -291,13 +302,11 @@ def _rows(values: list[_Value], scale: float, reaching: set[int], hypothetical: 
     return tuple(rows), scale * 2.0 ** math.floor(tightest)
 
 
-def largest_finite_scale(p: _trace.Problem) -> float | None:
+def largest_finite_scale(step: _trace.CompiledStep) -> float | None:
     """The largest power of two in :data:`EXPONENTS` at which the real step (compiled
     once, and kept for later calls with the same shapes: ``_trace.compiled_step``) is
     finite, bisected: finite at a power of two is taken as finite at every power below it
     (cotangents grow with the scale). ``None`` when it is finite at none."""
-    step = _trace.compiled_step(p)
-
     def finite(exponent: int) -> bool:
         loss, leaves = step.finite(2.0**exponent)
         return loss and bool(leaves.all())
