@@ -11,9 +11,11 @@ Every framework gets the same two-layer network, ``first`` (identity) then ``sec
 The line asserted is the user's line that calls ``second`` (marked ``# <- second``).
 """
 
+import gc
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import equinox as eqx
@@ -392,6 +394,30 @@ def test_never_a_later_equation_than_the_first_that_matters():
     assert report.primitive == "mul" and report.phase == "forward", report
 
 
+def test_a_later_overflow_into_entries_already_inf_is_listed_not_called_masked():
+    """Two overflows whose inf meet in the same entries: the earlier is the finding, the
+    later one reaches the loss too (its inf went on in the same entries), so it is a
+    later overflow, never 'masked or selected away'."""
+    def loss_fn(w, x):
+        with jax.named_scope("early"):
+            a = x * w[0]  # 4 * 3e4: inf
+        with jax.named_scope("late"):
+            b = x * w[1]  # inf as well, in the same entry
+        return jnp.sum((a + b).astype(F32))
+
+    report = ls.find_overflow(loss_fn, jnp.full(2, 3e4, F16), jnp.array([4.0], F16))
+    assert (report.phase, report.primitive, report.layer) == ("forward", "mul", "early")
+    assert not report.notes, report.notes
+    assert len(report.later) == 1 and " mul " in report.later[0], report.later
+    assert " in late at " in report.later[0] and "later" in str(report)
+    # a masked one stays a note: the later value is selected away
+    masked = ls.find_overflow(
+        lambda w, x: jnp.sum(jnp.where(jnp.array([True, False]), x * w[0],
+                                       x * w[1]).astype(F32)),
+        jnp.array([3e4, 3e4], F16), jnp.array([4.0, 1.0], F16))
+    assert masked.found and not masked.later and masked.notes, masked
+
+
 def test_the_parameters_the_origin_rules_rely_on():
     """Pins what ``_interpret._propagate`` reads, and that each named primitive exists."""
     def f(x, i):
@@ -559,6 +585,189 @@ def test_the_readiness_report_on_a_small_transformer():
     assert table.fits
     found = ls.find_overflow(loss_fn, model, tokens, scale=2.0**30)
     assert found.phase == "backward"
+
+
+class LinenThree(nn.Module):
+    """Three float16 layers: ``second``'s kernel is all 3e4, so its activations overflow
+    from finite inputs; ``third`` and the loss only carry that inf forward, ``first``'s
+    cotangents carry it back."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(4, use_bias=False, dtype=F16, name="first")(x)
+        x = nn.Dense(4, use_bias=False, dtype=F16, name="second",
+                     kernel_init=nn.initializers.constant(BIG))(x)
+        return nn.Dense(4, use_bias=False, dtype=F16, name="third")(x)
+
+
+def test_the_first_forward_overflow_tops_the_table_and_the_rows_that_carry_it_say_so():
+    model = LinenThree()
+    x = jnp.ones((1, 4), F16)
+    params = model.init(jax.random.key(0), x)
+    loss_fn = loss_of(model.apply)
+    table = ls.float16_report(loss_fn, params, x)
+    top = table.rows[0]
+    # in program order "first" (whose backward values carry the inf) would come first
+    assert (top.layer, top.headroom) == ("LinenThree/second", -np.inf), table
+    assert top.overflow == "first", top
+    assert top.op.startswith("dot_general"), top
+    carried = {r.layer for r in table.rows if r.overflow == "carried"}
+    assert {"LinenThree/first", "LinenThree/third"} <= carried, table
+    assert "forward dot_general in LinenThree/second" in table.first_overflow
+    text = str(table)
+    assert "<- first overflow" in text.splitlines()[3] and "(carries it)" in text, text
+    assert "first overflow: forward dot_general" in text
+    assert [r.headroom for r in table.rows] == sorted(r.headroom for r in table.rows)
+    healthy = ls.float16_report(loss_of(LinenNet().apply), *make("linen", 0.5)[1:2],
+                                jnp.ones((1, 4), F16))
+    assert healthy.first_overflow is None and not any(r.overflow for r in healthy.rows)
+
+
+@jax.custom_jvp
+def amplify(x):
+    """The identity; its rule multiplies the tangent by 100, then by 1024, in float16."""
+    return x
+
+
+@amplify.defjvp
+def _amplify_jvp(primals, tangents):
+    return primals[0], tangents[0] * F16(100) * F16(1024)
+
+
+def amplified_loss(w, x):
+    return jnp.sum(amplify(w.astype(F16) * x).astype(F32))
+
+
+def test_an_overflow_only_the_compiled_step_has_is_reported_as_such():
+    """Op by op the cotangent 0.25 becomes 256, then 25600: finite. XLA folds 100 * 1024
+    first, in float16: inf, so the compiled gradient is inf (the premise, checked)."""
+    w, x, scale = jnp.ones(1), jnp.ones(1, F16), 0.25
+    eager = jax.grad(lambda w: amplified_loss(w, x) * scale)(w)
+    compiled = jax.jit(jax.grad(lambda w, s: amplified_loss(w, x) * s))(w, scale)
+    assert float(eager[0]) == 25600.0 and not np.isfinite(compiled).any()
+    report = ls.find_overflow(amplified_loss, w, x, scale=scale)
+    assert not report.found and report.phase is None  # no equation of the jaxpr overflows
+    assert report and report.compiled_finite is False, report  # but the step does
+    assert report.compiled_nonfinite == ("",), report  # the one leaf: the params
+    text = str(report)
+    assert "op-by-op run finds the loss and every gradient" in text, text
+    assert "compiled step does not" in text and "100 * 1024" in text, text
+    # where they agree, nothing more is said
+    healthy = ls.find_overflow(lambda w, x: jnp.sum((w.astype(F16) * x).astype(F32)), w, x)
+    assert not healthy and healthy.compiled_finite is True
+    assert str(healthy).startswith("find_overflow: the loss and every gradient")
+    skipped = ls.find_overflow(amplified_loss, w, x, scale=scale, compiled=False)
+    assert not skipped and skipped.compiled_finite is None
+    # float16_report's rows come from the op-by-op run: its notes say they disagree, and
+    # the verdict follows the compiled step (inf times any scale's cotangent)
+    table = ls.float16_report(amplified_loss, w, x, scale=scale)
+    assert table.fits is False and table.max_scale is None, table
+    assert all(np.isfinite(r.headroom) for r in table.rows), table
+    assert any("compiled step is not finite while the op-by-op run the rows come from is"
+               in n for n in table.notes), table.notes
+
+
+def test_both_agree_on_an_overflow_and_the_text_says_it_once():
+    loss_fn, model, _ = make("plain", BIG)
+    report = ls.find_overflow(loss_fn, model, jnp.ones((1, 4), F16))
+    assert report.found and report.compiled_finite is False
+    # second's own gradient, its input times the cotangent, is finite
+    assert report.compiled_nonfinite == ("loss", "first"), report
+    assert "compiled step is not finite either (the loss and the gradients of first)" in str(
+        report)
+
+
+def lowerings(run):
+    """The jaxprs lowered to XLA while ``run()`` runs (an eager op's first use counts)."""
+    events = []
+
+    def listen(event, duration, **_):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        run()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return len(events)
+
+
+def test_a_second_call_with_the_same_shapes_compiles_nothing():
+    """The first call compiles the real step and the eager ops of each shape; a second
+    call with new values of the same shapes reuses all of it."""
+    loss_fn, params, _ = make("plain", AMP)
+    x = jnp.full((2, 4), SMALL, F16)
+    aux = lambda p, x: (loss_fn(p, x), x)  # noqa: E731
+    calls = [lambda p, x: ls.float16_report(loss_fn, p, x),
+             lambda p, x: ls.find_overflow(loss_fn, p, x, scale=2.0**15),  # it overflows
+             lambda p, x: ls.float16_report(aux, p, x, has_aux=True)]
+    for call in calls:  # (what they compile may have been compiled by an earlier test)
+        call(params, x)
+    assert lowerings(lambda: jax.jit(lambda a: a + 1)(x)) == 1  # the count counts
+    other, y = {k: v * 0.5 for k, v in params.items()}, x * 2  # new values, same shapes
+    for call in calls:
+        assert lowerings(lambda call=call: call(other, y)) == 0
+
+
+def test_an_argument_the_loss_needs_concrete_is_kept_concrete_in_the_compiled_step():
+    """A NumPy array the loss reads as a Python int (a length): the compiled step cannot
+    trace it, so it is closed over, as the op-by-op run has it; unhashable arguments
+    (a list of callables in a dict) compile for the call only."""
+    def loss_fn(w, x, n, fns):
+        h = fns["act"][0](x[:int(n)] @ w.astype(F16))
+        return jnp.sum(h.astype(F32))
+
+    args = (jnp.full((4, 4), AMP, F32), jnp.full((3, 4), SMALL, F16), np.array(2),
+            {"act": [jax.nn.relu]})
+    table = ls.float16_report(loss_fn, *args)
+    # the float16 cotangent of h is the scale itself: 2**16 is inf
+    assert table.fits and table.max_scale == 2.0**15, table
+    report = ls.find_overflow(loss_fn, *args, scale=2.0**16)
+    assert report.phase == "backward" and report.compiled_finite is False, report
+
+
+def test_the_compiled_steps_kept_for_later_calls_are_bounded():
+    """Each new loss function compiles its step once; the oldest are let go, and with
+    them what they hold of the user's (the loss function, its closure)."""
+    from loss_scaling.debug import _trace
+
+    x = jnp.ones((1, 4), F16)
+    first = lambda p, x: jnp.sum((x @ p.astype(F16)).astype(F32))  # noqa: E731
+    held = weakref.ref(first)
+    ls.float16_report(first, jnp.eye(4), x)
+    for i in range(_trace.CACHE_SIZE):
+        ls.float16_report(lambda p, x, i=i: jnp.sum((x @ p.astype(F16)).astype(F32)) + i,
+                          jnp.eye(4), x)
+    assert len(_trace._compiled) == _trace.CACHE_SIZE
+    del first
+    gc.collect()
+    assert held() is None
+
+
+class LinenGRU(nn.Module):
+    """flax's own GRUCell under nn.RNN: its traceback ends in flax, none of its lines is
+    the user's; the user's line is the one that calls nn.RNN."""
+
+    @nn.compact
+    def __call__(self, xs):
+        cell = nn.GRUCell(4, dtype=F16, param_dtype=F32,
+                          recurrent_kernel_init=lambda *_: 14.0 * jnp.eye(4))
+        h = nn.RNN(cell)(xs)  # <- rnn
+        return h[:, -1]
+
+
+def test_a_frameworks_own_cell_is_placed_at_the_users_line_that_calls_it():
+    model = LinenGRU()
+    xs = jnp.zeros((1, 8, 2), F16)
+    params = model.init(jax.random.key(0), xs)
+    report = ls.find_overflow(loss_of(model.apply), params, xs, scale=2.0**10)
+    line = next(i + 1 for i, t in enumerate(Path(__file__).read_text().splitlines())
+                if t.rstrip().endswith("# <- rnn"))
+    assert report.phase == "backward" and report.loops, report
+    assert "LinenGRU/RNN_0" in report.layer, report
+    assert (report.file, report.line) == (__file__, line), report
+    assert "None:None" not in str(report)
 
 
 # ------------------------------------------------------ nothing of it in the train step

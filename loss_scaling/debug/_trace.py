@@ -1,18 +1,21 @@
 """One step's scaled loss, forward then backward, as each recipe differentiates it, run
-through the interpreter (README.md, "One step, as training differentiates it")."""
+through the interpreter, and the same step compiled (README.md, "One step, as training
+differentiates it" and "The compiled step")."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
 import os
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src import source_info_util
 
 from loss_scaling._errors import show
@@ -40,13 +43,18 @@ TRACED = (
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """What to run: the loss (without aux), its arguments, the scaler, nnx's ``wrt``."""
+    """What to run: the user's loss function, its arguments, the scaler, nnx's ``wrt``."""
 
-    loss_fn: Callable[..., Any]
+    fn: Callable[..., Any]  # as the user gave it
+    has_aux: bool
     args: tuple[Any, ...]
     scaler: Any
     scale: float  # the scaler's, as a Python float
     wrt: Any
+
+    def loss(self, *args: Any) -> Any:
+        """The loss without aux."""
+        return self.fn(*args)[0] if self.has_aux else self.fn(*args)
 
 
 def _held_scale(first: Any) -> Any:
@@ -75,9 +83,8 @@ def problem(loss_fn: Callable[..., Any], args: tuple[Any, ...], scale: Any,
         args = args[1:]
     if not args:
         raise TypeError(NO_ARGUMENTS)
-    loss = (lambda *a: loss_fn(*a)[0]) if has_aux else loss_fn
     scaler = _scaler(scale, held)
-    return Problem(loss, args, scaler, float(scaler.loss_scale), wrt)
+    return Problem(loss_fn, has_aux, args, scaler, float(scaler.loss_scale), wrt)
 
 
 def _scaler(scale: Any, held: Any) -> Any:
@@ -94,27 +101,92 @@ def _scaler(scale: Any, held: Any) -> Any:
     return scalers.StaticLossScale(value)
 
 
-def _split(p: Problem) -> tuple[list[Any], Callable[[list[Any]], tuple[Any, ...]], Any]:
-    """The differentiated leaves, how to rebuild the arguments, and the module walker."""
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """The arguments taken apart: the differentiated leaves (``diff``, named by their path
+    in ``names``), the other arrays (``others``: the batch, integer leaves, an nnx model's
+    other state) and the rest, ``static`` (Python values, tree structures, an nnx
+    GraphDef; ``None`` if one of them is not hashable). ``rebuild(diff, others)`` puts the
+    arguments back together; it holds nothing but the static part, so a function of
+    ``(diff, others)`` compiled once serves every call with the same static part."""
+
+    diff: list[Any]
+    names: list[str]
+    others: list[Any]
+    static: Any
+    rebuild: Callable[[list[Any], list[Any]], tuple[Any, ...]]
+    walk: Callable[[Any], Iterator[tuple[tuple[Any, ...], Any]]]
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _parts(tree_: Any) -> tuple[Any, list[str], list[Any]]:
+    """A tree's structure, each leaf's kind (``"array"`` or ``"static"``) and its leaves."""
+    leaves, treedef = jax.tree.flatten(tree_)
+    return treedef, ["array" if _is_array(x) else "static" for x in leaves], leaves
+
+
+def _hashable(key: Any) -> Any:
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _assemble(kinds: tuple[str, ...], statics: tuple[Any, ...]
+              ) -> Callable[[list[Any], list[Any]], list[Any]]:
+    """Leaves in order from the differentiated ones, the other arrays and the statics."""
+    def leaves(diff: list[Any], others: list[Any]) -> list[Any]:
+        sources = {"diff": iter(diff), "array": iter(others), "static": iter(statics)}
+        return [next(sources[kind]) for kind in kinds]
+    return leaves
+
+
+def _names(tree_: Any, keep: Callable[[Any], bool]) -> list[str]:
+    return [jax.tree_util.keystr(path, simple=True, separator="/")
+            for path, x in jax.tree_util.tree_flatten_with_path(tree_)[0] if keep(x)]
+
+
+def _split(p: Problem) -> Split:
+    """The differentiated leaves, the other arrays, the static rest and how to rebuild."""
     first, rest, nnx = p.args[0], p.args[1:], sys.modules.get("flax.nnx")
     if nnx is not None and nnx.graph.is_graph_node(first):
-        graphdef, diff, *others = nnx.split(first, p.wrt or nnx.Param, ...)
+        graphdef, diff_state, *other_states = nnx.split(first, p.wrt or nnx.Param, ...)
         # Arrays, not the model's Variables: the copy merged inside the trace owns fresh
         # ones, which BatchNorm and Dropout may write (the model is untouched).
-        others = [nnx.as_pure(other) for other in others]
-        leaves, treedef = jax.tree.flatten(nnx.as_pure(diff))
+        diff, diff_def = jax.tree.flatten(nnx.as_pure(diff_state))
+        treedef, kinds, leaves = _parts(([nnx.as_pure(o) for o in other_states], rest))
+        statics = tuple(x for k, x in zip(kinds, leaves, strict=True) if k == "static")
+        assemble = _assemble(tuple(kinds), statics)
 
-        def nnx_arguments(xs: list[Any]) -> tuple[Any, ...]:
-            return (nnx.merge(graphdef, jax.tree.unflatten(treedef, xs), *others), *rest)
+        def nnx_arguments(xs: list[Any], others: list[Any]) -> tuple[Any, ...]:
+            states, rest_ = jax.tree.unflatten(treedef, assemble([], others))
+            return (nnx.merge(graphdef, jax.tree.unflatten(diff_def, xs), *states), *rest_)
 
-        return leaves, nnx_arguments, _nnx_modules
+        static = _hashable(("nnx", graphdef, diff_def, treedef, tuple(kinds), statics))
+        return Split(diff, _names(nnx.as_pure(diff_state), lambda _: True),
+                     [x for k, x in zip(kinds, leaves, strict=True) if k == "array"],
+                     static, nnx_arguments, _nnx_modules)
 
-    def arguments(xs: list[Any]) -> tuple[Any, ...]:
-        new = iter(xs)  # in the order of jax.tree.leaves
-        return (jax.tree.map(lambda x: next(new) if _interpret.is_float(x) else x, first),
-                *rest)
+    treedef, kinds, leaves = _parts((first, rest))
+    n_first = len(jax.tree.leaves(first))
+    kinds = ["diff" if i < n_first and _interpret.is_float(x) else k  # in tree.leaves order
+             for i, (k, x) in enumerate(zip(kinds, leaves, strict=True))]
+    statics = tuple(x for k, x in zip(kinds, leaves, strict=True) if k == "static")
+    assemble = _assemble(tuple(kinds), statics)
 
-    return [x for x in jax.tree.leaves(first) if _interpret.is_float(x)], arguments, _eqx_modules
+    def arguments(xs: list[Any], others: list[Any]) -> tuple[Any, ...]:
+        first_, rest_ = jax.tree.unflatten(treedef, assemble(xs, others))
+        return (first_, *rest_)
+
+    static = _hashable(("tree", treedef, tuple(kinds), statics))
+    return Split([x for k, x in zip(kinds, leaves, strict=True) if k == "diff"],
+                 _names(first, _interpret.is_float),
+                 [x for k, x in zip(kinds, leaves, strict=True) if k == "array"],
+                 static, arguments, _eqx_modules)
 
 
 def _nnx_modules(root: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -188,43 +260,131 @@ def _module_scopes(root: Any, walk: Callable[[Any], Iterator[Any]]) -> Iterator[
 def scaled_loss_fn(p: Problem, scopes: bool = True) -> tuple[
         list[Any], Callable[[list[Any], Any], Any]]:
     """The differentiated leaves, and the loss times a scaler as a function of them."""
-    leaves, arguments, walk = _split(p)
+    split = _split(p)
 
     def loss_times_scale(xs: list[Any], scaler: Any) -> Any:
-        args = arguments(xs)
-        with _module_scopes(args[0], walk) if scopes else contextlib.nullcontext():
-            loss = p.loss_fn(*args)
+        args = split.rebuild(xs, split.others)
+        with _module_scopes(args[0], split.walk) if scopes else contextlib.nullcontext():
+            loss = p.loss(*args)
         with jax.named_scope(SCALE_SCOPE):
             return tree.scale(scaler, loss)
 
-    return leaves, loss_times_scale
+    return split.diff, loss_times_scale
 
 
-def interpret_step(p: Problem, visit: Visitor, fresh: Fresh) -> tuple[Any, list[Any]]:
-    """Interprets the forward pass, then the backward pass of the scaled loss; returns the
-    origins (see ``_interpret``) of the scaled loss and of the gradients.
+class Step(NamedTuple):
+    """What the interpreter learned of one step: the origins (see ``_interpret``) of the
+    scaled loss and of the gradients, and which origins were joined to which."""
 
-    Origins flow from the forward pass into the backward pass through the residuals.
+    loss: Any
+    grads: list[Any]
+    joined: dict[int, set[int]]
+
+
+def interpret_step(p: Problem, visit: Visitor, fresh: Fresh) -> Step:
+    """Interprets the forward pass, then the backward pass of the scaled loss.
+
+    Origins and places flow from the forward pass into the backward pass through the
+    residuals.
     """
     leaves, scaled = scaled_loss_fn(p)
     forward, shape = jax.make_jaxpr(
         lambda xs: jax.vjp(lambda ys: scaled(ys, p.scaler), xs), return_shape=True)(leaves)
-    interpreter = _interpret.Interpreter(visit, fresh)
-    outs, origins = interpreter.eval_jaxpr(
+    interpreter = _interpret.Interpreter(visit, fresh, frame_of=user_frame)
+    outs, origins, places = interpreter.eval_jaxpr(
         forward.jaxpr, forward.consts, leaves, Where("forward"),
         _interpret.arguments(leaves), _interpret.arguments(forward.consts))
     loss, vjp = jax.tree.unflatten(jax.tree.structure(shape), outs)
     cotangent = jnp.ones_like(loss)  # a constant of the backward jaxpr, not an equation
     backward = jax.make_jaxpr(lambda vjp: vjp(cotangent))(vjp)
-    _, grad_origins = interpreter.eval_jaxpr(backward.jaxpr, backward.consts,
-                                             jax.tree.leaves(vjp), Where("backward"),
-                                             origins[1:])  # the residuals'
-    return origins[0], grad_origins
+    back = interpreter.eval_jaxpr(backward.jaxpr, backward.consts, jax.tree.leaves(vjp),
+                                  Where("backward"), origins[1:],  # the residuals'
+                                  places=places[1:])
+    return Step(origins[0], back.origins, interpreter.joined)
 
 
-def reaching(loss_origin: Any, grad_origins: list[Any]) -> set[int]:
-    """The ids of the equations whose non-finite values reach the loss or a gradient."""
-    return set().union(*map(_interpret.origin_ids, (loss_origin, *grad_origins)))
+def reaching(step: Step) -> set[int]:
+    """The ids of the equations whose non-finite values reach the loss or a gradient: the
+    origins they hold, and every origin joined to one of those (its inf/NaN went on in
+    entries labelled by the earlier one; README.md, "The interpreter")."""
+    found = set().union(*map(_interpret.origin_ids, (step.loss, *step.grads)))
+    grew = True
+    while grew:
+        more = {k for k, targets in step.joined.items() if k not in found and targets & found}
+        found |= more
+        grew = bool(more)
+    return found
+
+
+# ------------------------------------------------------------------ the compiled step
+
+# The compiled checks of the last few (loss function, static part) pairs: a second call
+# with the same shapes compiles nothing. Bounded, so that the loss functions and static
+# values it holds (and their executables) go once they drop out.
+CACHE_SIZE = 8
+_compiled: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+
+
+def _finite_leaves(fn: Callable[..., Any], has_aux: bool,
+                   rebuild: Callable[[list[Any], list[Any]], tuple[Any, ...]]) -> Any:
+    """``jax.jit`` of: the real step at scale ``s`` (``jax.value_and_grad`` of the loss
+    times ``s``, as training differentiates it) -> whether the loss is finite, and per
+    differentiated leaf whether its gradient is."""
+    @jax.jit
+    def finite_leaves(diff: list[Any], others: list[Any], s: Any) -> tuple[Any, Any]:
+        scaler = jax.tree.map(lambda _: s, scalers.StaticLossScale(1.0))
+
+        def loss_times_scale(xs: list[Any]) -> Any:
+            out = fn(*rebuild(xs, others))
+            return tree.scale(scaler, out[0] if has_aux else out)
+
+        loss, grads = jax.value_and_grad(loss_times_scale)(diff)
+        flags = [jnp.all(jnp.isfinite(g)) for g in grads]
+        return jnp.isfinite(loss), jnp.stack(flags) if flags else jnp.ones(0, bool)
+
+    return finite_leaves
+
+
+class CompiledStep:
+    """The real step, compiled once per static part and shapes: ``finite(scale)`` gives
+    whether the loss is finite and, per differentiated leaf (``names``), whether its
+    gradient is."""
+
+    def __init__(self, p: Problem, run: Any, split: Split) -> None:
+        self.p, self.run, self.split = p, run, split
+
+    @property
+    def names(self) -> list[str]:
+        return self.split.names
+
+    def finite(self, scale: float) -> tuple[bool, np.ndarray]:
+        diff, others, s = self.split.diff, self.split.others, jnp.float32(scale)
+        try:
+            loss, leaves = self.run(diff, others, s)
+        except jax.errors.JAXTypeError:
+            # The loss needs one of the other arrays concrete (a shape, a Python branch):
+            # compiled with them closed over, as the interpreter has them (not kept).
+            split = self.split
+            self.run = _finite_leaves(self.p.fn, self.p.has_aux,
+                                      lambda xs, _: split.rebuild(xs, split.others))
+            loss, leaves = self.run(diff, [], s)
+        return bool(loss), np.asarray(leaves)
+
+
+def compiled_step(p: Problem) -> CompiledStep:
+    """The real step of ``p``, from the cache when the same loss function and static part
+    were seen (then nothing is traced or compiled again: ``jax.jit`` keys its own cache
+    by the arrays' shapes and dtypes)."""
+    split = _split(p)
+    key = None if split.static is None else _hashable((p.fn, p.has_aux, split.static))
+    if key is None:  # something unhashable: compiled for this call only
+        return CompiledStep(p, _finite_leaves(p.fn, p.has_aux, split.rebuild), split)
+    if key not in _compiled:
+        _compiled[key] = _finite_leaves(p.fn, p.has_aux, split.rebuild)
+        while len(_compiled) > CACHE_SIZE:
+            _compiled.popitem(last=False)
+    _compiled.move_to_end(key)
+    return CompiledStep(p, _compiled[key], split)
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

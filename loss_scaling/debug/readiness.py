@@ -8,11 +8,9 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loss_scaling.core import scalers, tree
 from loss_scaling.debug import _interpret, _trace
 from loss_scaling.debug._interpret import Where
 
@@ -47,6 +45,11 @@ class LayerHeadroom:
       zero: the fraction of those entries that are exactly zero (in a float16 run this
         includes what already flushed).
       op: the primitive that holds the limiting value and its dtype; ``source`` its line.
+      overflow: ``"first"`` for the layer of the first equation whose inf/NaN reaches the
+        loss or a gradient (it overflowed with finite inputs: its row is on top),
+        ``"also"`` for a layer with a later one, ``"carried"`` for a layer whose
+        values only pass another layer's inf/NaN on (its headroom reads ``-inf`` for
+        that reason), ``""`` otherwise.
     """
 
     layer: str
@@ -59,6 +62,10 @@ class LayerHeadroom:
     zero: float
     op: str
     source: str
+    overflow: str = ""
+
+
+_MARKS = {"first": "<- first overflow", "also": "<- overflows too", "carried": "(carries it)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +73,8 @@ class Float16Report:
     """Per-layer float16 headroom of one step, the tightest layer first, and the verdict.
 
     Attributes:
-      rows: the :class:`LayerHeadroom` rows, sorted by ``headroom`` (ascending).
+      rows: the :class:`LayerHeadroom` rows, sorted by ``headroom`` (ascending), the
+        layer of the first overflow on top.
       scale: the loss scale of the backward pass the rows were measured at.
       fits: whether the real step (``jax.value_and_grad`` of the loss times a power of
         two from 2**-14 to 2**127, compiled) gives a finite loss and gradients at some
@@ -79,6 +87,9 @@ class Float16Report:
       hypothetical: the model computes nothing in float16 or bfloat16: the rows hold
         every value to float16's range as if it were float16 (see ``HYPOTHETICAL``).
       notes: what was left out of the rows (masked non-finite values, mask fills).
+      first_overflow: where the first inf/NaN that reaches the loss or a gradient
+        appeared: ``"<phase> <primitive> in <layer> at <file:line>"``; ``None`` if the
+        run at ``scale`` is finite.
     """
 
     rows: tuple[LayerHeadroom, ...]
@@ -88,6 +99,7 @@ class Float16Report:
     table_scale: float | None = None
     hypothetical: bool = False
     notes: tuple[str, ...] = ()
+    first_overflow: str | None = None
 
     def __iter__(self) -> Any:
         return iter(self.rows)
@@ -104,8 +116,11 @@ class Float16Report:
         lines = [f"float16 readiness at loss scale {self.scale:g} "
                  f"(headroom: doublings left, {against})", head, "-" * len(head)]
         for r in self.rows:
+            mark = f"  {_MARKS[r.overflow]}" if r.overflow else ""
             lines.append(f"{r.layer:<{width}}  {r.forward_max:>9.3g}  {r.backward_max:>9.3g}  "
-                         f"{r.headroom:>8.1f}  {r.underflow:>9.2%}  {r.op}")
+                         f"{r.headroom:>8.1f}  {r.underflow:>9.2%}  {r.op}{mark}")
+        if self.first_overflow is not None:
+            lines.append(FIRST_OVERFLOW.format(where=self.first_overflow))
         if self.hypothetical:
             lines.append(HYPOTHETICAL)
         else:
@@ -118,6 +133,14 @@ class Float16Report:
         return "\n".join(lines)
 
 
+FIRST_OVERFLOW = (
+    "first overflow: {where}, from finite inputs; its row is on top. Rows marked "
+    "'(carries it)' read -inf only because its inf/NaN passes through them: fix the first "
+    "(ls.find_overflow says more).")
+DISAGREE = (
+    "at scale {scale:g} the compiled step is {compiled} while the op-by-op run the rows "
+    "come from {op_by_op}: XLA folds, reorders and fuses float16 arithmetic; the verdict "
+    "follows the compiled step (ls.find_overflow says which gradients)")
 HYPOTHETICAL = (
     "no verdict: this model computes nothing in float16 or bfloat16. The rows hold every "
     "value to float16's range as if it were float16, but a float16 model keeps some "
@@ -153,20 +176,24 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
     """
     p = _trace.problem(loss_fn, args, scale, has_aux)
     values: list[_Value] = []
+    made: dict[int, tuple[str, str]] = {}  # origin -> (its layer, how to name it)
+
     def visit(eqn: Any, invals: Sequence[Any], outvals: Sequence[Any], where: Where,
               origins: Sequence[Any]) -> None:
         if _trace.SCALE_SCOPE in where.scopes:
             return
-        frame = _trace.user_frame(eqn)
-        source = (f"{os.path.basename(frame.file_name)}:{frame.start_line} "
-                  f"({frame.function_name})") if frame else "?"
+        layer, source = _layer(where)
         for out, origin in zip(outvals, origins, strict=True):
             if _interpret.is_float(out) and out.size:
-                values.append(_Value("/".join(where.scopes) or source, where.phase,
-                                     eqn.primitive.name, source, str(out.dtype),
-                                     *_magnitudes(out), _interpret.origin_ids(origin)))
+                values.append(_Value(layer, where.phase, eqn.primitive.name, source,
+                                     str(out.dtype), *_magnitudes(out),
+                                     _interpret.origin_ids(origin)))
 
-    reaching = _trace.reaching(*_trace.interpret_step(p, visit, lambda *_: None))
+    def fresh(key: int, eqn: Any, invals: Sequence[Any], out: Any, where: Where) -> None:
+        layer, source = _layer(where)
+        made[key] = layer, f"{where.phase} {eqn.primitive.name} in {layer} at {source}"
+
+    reaching = _trace.reaching(_trace.interpret_step(p, visit, fresh))
     hypothetical = not any(v.phase == "forward" and v.dtype in NARROW for v in values)
     masked = sum(1 for v in values if v.origins and not v.origins & reaching)
     fills = sum(v.fills for v in values)
@@ -175,10 +202,27 @@ def float16_report(loss_fn: Callable[..., Any], *args: Any, scale: Any = None,
                  "(masked away): left out"),
         (fills, f"{fills} saturated entries (at their dtype's largest magnitude, as a "
                 "finfo.min mask fill is): left out")) if count)
-    rows, table_scale = _rows(values, p.scale, reaching, hypothetical)
-    max_scale = None if hypothetical else largest_finite_scale(p)
-    return Float16Report(rows, p.scale, None if hypothetical else max_scale is not None,
-                         max_scale, table_scale, hypothetical, notes)
+    first = min((k for k in reaching if k in made), default=None)
+    rows, table_scale = _rows(values, p.scale, reaching, hypothetical, made, first)
+    if hypothetical:
+        return Float16Report(rows, p.scale, None, None, table_scale, True, notes,
+                             None if first is None else made[first][1])
+    step = _trace.compiled_step(p)
+    loss_finite, leaves_finite = step.finite(p.scale)
+    if (loss_finite and leaves_finite.all()) == bool(reaching):  # the two runs disagree
+        notes += (DISAGREE.format(scale=p.scale, compiled="finite" if reaching else
+                                  "not finite", op_by_op="is not" if reaching else "is"),)
+    max_scale = largest_finite_scale(step)
+    return Float16Report(rows, p.scale, max_scale is not None, max_scale, table_scale,
+                         False, notes, None if first is None else made[first][1])
+
+
+def _layer(where: Where) -> tuple[str, str]:
+    """A value's row (its layer, else its source line) and its source line."""
+    frame = where.frame
+    source = (f"{os.path.basename(frame.file_name)}:{frame.start_line} "
+              f"({frame.function_name})") if frame else "(no source line)"
+    return where.layer or source, source
 
 
 class _Value(NamedTuple):
@@ -216,9 +260,15 @@ def _magnitudes(x: Any) -> tuple[float, int, int, int, int]:
     return top, small, int(np.count_nonzero(kept == 0)), int(np.count_nonzero(fill)), x.size
 
 
-def _rows(values: list[_Value], scale: float, reaching: set[int],
-          hypothetical: bool) -> tuple[tuple[LayerHeadroom, ...], float | None]:
-    """The rows, tightest first, and the scale they predict (``table_scale``)."""
+def _rows(values: list[_Value], scale: float, reaching: set[int], hypothetical: bool,
+          made: dict[int, tuple[str, str]], first: int | None
+          ) -> tuple[tuple[LayerHeadroom, ...], float | None]:
+    """The rows, the first overflow's on top, then tightest first, and the scale they
+    predict (``table_scale``)."""
+    created: dict[str, set[int]] = {}  # layer -> the origins that reach, made there
+    for key in reaching & made.keys():
+        created.setdefault(made[key][0], set()).add(key)
+
     def rated(v: _Value) -> tuple[float, float, _Value]:  # (headroom, max, value)
         if v.origins & reaching:  # an inf/NaN that reaches the loss or a gradient
             return -math.inf, math.inf, v
@@ -236,32 +286,30 @@ def _rows(values: list[_Value], scale: float, reaching: set[int],
         limiting = fwd_v if fwd_room <= bwd_room else bwd_v
         flushed = [v for v in mine if v.phase == "backward" and (hypothetical or v.dtype in NARROW)]
         size = max(sum(v.size for v in flushed), 1)
+        own = created.get(layer, set())
+        overflow = ("first" if first in own else "also" if own
+                    else "carried" if any(v.origins & reaching for v in mine) else "")
         rows.append(LayerHeadroom(
             layer, fwd, bwd, fwd_room, bwd_room, min(fwd_room, bwd_room),
             sum(v.small for v in flushed) / size, sum(v.zero for v in flushed) / size,
             f"{limiting.op} {limiting.dtype.replace('float', 'f')}" if limiting else "",
-            limiting.source if limiting else ""))
-    rows.sort(key=lambda r: r.headroom)
+            limiting.source if limiting else "", overflow))
+    # the first overflow's layer on top; among the -inf rows, overflows before carriers
+    rows.sort(key=lambda r: (r.overflow != "first", r.headroom, r.overflow == "carried"))
     tightest = min((r.backward_headroom for r in rows if r.backward_max > 0), default=None)
     if tightest is None or not math.isfinite(tightest):  # none, or one already overflowed
         return tuple(rows), None
     return tuple(rows), scale * 2.0 ** math.floor(tightest)
 
 
-def largest_finite_scale(p: _trace.Problem) -> float | None:
+def largest_finite_scale(step: _trace.CompiledStep) -> float | None:
     """The largest power of two in :data:`EXPONENTS` at which the real step (compiled
-    once) is finite, bisected: finite at a power of two is taken as finite at every power
-    below it (cotangents grow with the scale). ``None`` when it is finite at none."""
-    leaves, loss_times_scale = _trace.scaled_loss_fn(p, scopes=False)
-
-    @jax.jit
-    def finite_at(xs: list[Any], s: Any) -> Any:
-        scaler = jax.tree.map(lambda _: s, scalers.StaticLossScale(1.0))
-        loss, grads = jax.value_and_grad(lambda ys: loss_times_scale(ys, scaler))(xs)
-        return jnp.isfinite(loss) & tree.all_finite(grads)
-
+    once, and kept for later calls with the same shapes: ``_trace.compiled_step``) is
+    finite, bisected: finite at a power of two is taken as finite at every power below it
+    (cotangents grow with the scale). ``None`` when it is finite at none."""
     def finite(exponent: int) -> bool:
-        return bool(finite_at(leaves, jnp.float32(2.0**exponent)))
+        loss, leaves = step.finite(2.0**exponent)
+        return loss and bool(leaves.all())
 
     lo, hi = EXPONENTS[0], EXPONENTS[-1]
     if finite(hi):
