@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import jax
 from flax import nnx
+from flax.nnx.transforms import general  # split_inputs / merge_inputs: nnx.jit's lifting
 
 from loss_scaling import _registry
 from loss_scaling._errors import show
@@ -297,5 +298,26 @@ def _value_and_grad_for(state: Any, args: tuple[Any, ...], kwargs: Any,
     return value_and_grad if any_leaf(is_graph_node, (state, args, kwargs)) else None
 
 
+AUTOCAST_TAG = "loss_scaling.autocast"  # nnx's context tag for the lifted call
+
+
+def autocast(fn: Callable[..., Any], call_pure: Callable[..., Any]) -> Callable[..., Any]:
+    """``loss_scaling.autocast`` over ``nnx`` objects, lifted as ``nnx.jit`` lifts
+    ``jax.jit``: the objects split into pytrees outside, merged inside, and what ``fn``
+    writes into them (BatchNorm statistics, RNG counts) written back after the call."""
+    merged = general.merge_inputs(lambda args, kwargs: fn(*args, **kwargs), ctxtag=AUTOCAST_TAG)
+
+    def split(args: Any, kwargs: Any) -> Any:
+        return call_pure(merged, (args, kwargs))
+
+    lifted = general.split_inputs(split, ctxtag=AUTOCAST_TAG)
+    return lambda *args, **kwargs: lifted(args, kwargs)
+
+
+def _owns(tree: Any) -> bool:
+    return any_leaf(is_graph_node, tree)
+
+
 _registry.register("flax.nnx", _registry.Hooks(
-    unwrap=unwrap, replace_scale=replace_scale, value_and_grad=_value_and_grad_for))
+    unwrap=unwrap, replace_scale=replace_scale, value_and_grad=_value_and_grad_for,
+    owns=_owns, autocast=autocast))

@@ -1,0 +1,125 @@
+"""Where :func:`loss_scaling.autocast` departs from its table: :class:`AutocastPolicy`.
+
+A policy names equations by where they are in the user's code (the module path or
+``jax.named_scope``, the source line, the primitive), never by their position in one trace,
+so it holds for other batches, under ``jit`` and after the params change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from loss_scaling.autocast.rewrite import source_of
+from loss_scaling.autocast.rules import RULES, Rule
+
+
+class Site(NamedTuple):
+    """Where equations are in the user's code; an empty field matches anything.
+
+    Attributes:
+      path: a module path or named scope (``"Transformer/block_3/mlp"``): the equations
+        under it (the path itself or anything below it).
+      source: ``"file.py:123"``: the equations written on that line (the file's path
+        matched from its end, so a relative or shorter path is enough).
+      primitive: a primitive's name (``"dot_general"``).
+    """
+
+    path: str = ""
+    source: str = ""
+    primitive: str = ""
+
+    @classmethod
+    def parse(cls, where: str | Site) -> Site:
+        """A :class:`Site` from its string form: ``"file.py:123"`` is a source line,
+        anything else a module path."""
+        if isinstance(where, Site):
+            return where
+        if not isinstance(where, str) or not where:
+            raise TypeError(BAD_SITE.format(value=repr(where)))
+        file, _, line = where.rpartition(":")
+        if file and line.isdigit():
+            return cls(source=where)
+        return cls(path=where.strip("/"))
+
+    def matches(self, path: str, source: str | None, primitive: str) -> bool:
+        """Whether an equation at ``path``, written at ``source``, is one of these."""
+        if self.primitive and primitive != self.primitive:
+            return False
+        if self.path and not (path == self.path or path.startswith(self.path + "/")):
+            return False
+        if self.source:
+            if source is None:
+                return False
+            return source == self.source or source.endswith(("/" + self.source,
+                                                              "\\" + self.source))
+        return True
+
+
+BAD_SITE = ("a policy site must be a module path ('Model/block_0/mlp'), a source line "
+            "('model.py:42') or an ls.autocast_policy.Site, got {value}")
+BAD_RULE = ("AutocastPolicy(rules=...) maps primitive names to ls.AutocastRule values, got "
+            "{key!r}: {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastPolicy:
+    """Where autocast departs from its table of rules (docs/autocast.md).
+
+    Attributes:
+      float32: sites whose equations run as written, in float32: the matmuls too (what
+        transformers' ``_keep_in_fp32_modules`` does by hand).
+      float32_out: sites whose matmuls keep half operands but accumulate and return
+        float32 (``preferred_element_type``), and whose other equations run in float32:
+        the fix for a result that overflows the half dtype, at half the matmul cost of
+        ``float32``.
+      rules: primitive name -> :class:`~loss_scaling.autocast.rules.Rule`, replacing the
+        table's rule for that primitive everywhere.
+
+    Examples:
+      >>> import loss_scaling as ls
+      >>> policy = ls.AutocastPolicy(float32=("Model/head",), float32_out=("model.py:42",))
+      >>> policy.float32
+      (Site(path='Model/head', source='', primitive=''),)
+    """
+
+    float32: tuple[Site, ...] = ()
+    float32_out: tuple[Site, ...] = ()
+    rules: Mapping[str, Rule] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("float32", "float32_out"):
+            value = getattr(self, name)
+            if isinstance(value, str | Site):
+                value = (value,)
+            object.__setattr__(self, name, tuple(Site.parse(w) for w in value))
+        for key, value in dict(self.rules).items():
+            if not isinstance(key, str) or not isinstance(value, Rule):
+                raise TypeError(BAD_RULE.format(key=key, value=value))
+        object.__setattr__(self, "rules", dict(self.rules))
+
+    def __hash__(self) -> int:
+        return hash((self.float32, self.float32_out, tuple(sorted(
+            (k, v.value) for k, v in self.rules.items()))))
+
+    def decide(self, eqn: Any, path: str, rule: Rule) -> Rule:
+        """The rule for one equation: the table's, unless this policy names it."""
+        name = eqn.primitive.name
+        rule = self.rules.get(name, rule)
+        if rule in (Rule.CALL, Rule.LOOP, Rule.CUSTOM) or not (self.float32 or self.float32_out):
+            return rule
+        source = source_of(eqn)
+        if any(s.matches(path, source, name) for s in self.float32):
+            return Rule.AS_WRITTEN
+        if any(s.matches(path, source, name) for s in self.float32_out):
+            return Rule.HALF_FLOAT32_OUT if RULES.get(name) is Rule.HALF else Rule.FLOAT32
+        return rule
+
+    @property
+    def is_default(self) -> bool:
+        """Whether this policy changes nothing (the default program)."""
+        return not (self.float32 or self.float32_out or self.rules)
+
+
+DEFAULT = AutocastPolicy()

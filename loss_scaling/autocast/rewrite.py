@@ -1,0 +1,640 @@
+"""The staged rewrite: a float32 jaxpr re-traced, equation by equation, into its autocast
+program. README.md ("Why a staged rewrite") argues the design; :mod:`.rules` is the table
+this module reads.
+
+:func:`rewrite_closed` traces a new jaxpr whose equations are those of the old one, each
+bound again by :func:`interpret` with the operands its :class:`~.rules.Rule` asks for.
+Binding (rather than editing equations) lets every primitive's own shape and dtype rules
+type the new program, and sub-programs are rewritten by the same loop: ``jit``,
+``checkpoint``, ``shard_map`` and ``cond`` in the dtypes their operands arrive in; ``scan``
+and ``while`` with their carries pinned to the dtypes they had; custom rules with their
+boundary pinned to the dtypes their author wrote them for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import api_util, core, source_info_util
+from jax._src import linear_util as lu
+from jax._src.interpreters import ad
+from jax._src.interpreters import partial_eval as pe
+
+from loss_scaling.autocast.rules import Rule, rule_of
+
+FLOAT32 = np.dtype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One equation of the autocast program, as :func:`loss_scaling.autocast_report` shows it.
+
+    Attributes:
+      primitive: the primitive's name.
+      rule: the :class:`~.rules.Rule` that decided its dtypes.
+      in_dtypes: the dtypes of its operands as it runs (``None`` for a literal's place).
+      out_dtypes: the dtypes of its results.
+      path: where it is in the model: the name stack (flax module path, ``named_scope``).
+      source: ``file:line`` of the user's code that wrote it (``None`` when unknown).
+      flops: the FLOPs of one execution of a matmul or convolution, else 0.
+      repeats: how often it runs per call (the product of the enclosing ``scan`` lengths).
+      note: why a rule was not applied as tabled (a fallback), or ``""``.
+    """
+
+    primitive: str
+    rule: Rule
+    in_dtypes: tuple[Any, ...]
+    out_dtypes: tuple[Any, ...]
+    path: str
+    source: str | None
+    flops: int = 0
+    repeats: int = 1
+    note: str = ""
+
+
+Decide = Callable[[Any, str, Rule], Rule]
+"""``(eqn, path, tabled_rule) -> rule``: a policy's choice for one equation (``path``: its
+module path; :func:`source_of` gives its line)."""
+
+
+@dataclasses.dataclass
+class Context:
+    """What one rewrite needs: the half dtype, the policy's choice per equation, and the
+    report's rows (``None`` when nobody asked for them)."""
+
+    half: np.dtype
+    decide: Decide
+    rows: list[Row] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Literal:
+    """A jaxpr literal as the interpreter holds it: a Python or NumPy scalar."""
+
+    val: Any
+    aval: Any
+
+
+@dataclasses.dataclass
+class Scope:
+    """One jaxpr being interpreted: its variables' values and casts already made."""
+
+    ctx: Context
+    path: str
+    repeats: int
+    env: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    twins: dict[Any, Any] = dataclasses.field(default_factory=dict)  # var -> its half copy
+    casts: dict[tuple[Any, Any], Any] = dataclasses.field(default_factory=dict)
+    bound: Sequence[Any] = ()  # the operands the last equation was bound with (for its row)
+
+    def read(self, atom: Any) -> Any:
+        if isinstance(atom, core.Literal):
+            return Literal(atom.val, atom.aval)
+        return self.env[atom]
+
+    def cast(self, atom: Any, dtype: Any) -> Any:
+        """``atom``'s value in ``dtype``, cast once per variable and dtype in this scope."""
+        value = self.read(atom)
+        if isinstance(value, Literal):
+            return np.asarray(value.val, dtype)[()] if is_float(value.aval.dtype) else value.val
+        dtype = np.dtype(dtype)
+        if dtype_of(value) == dtype:
+            return value
+        key = (atom, dtype)
+        if key not in self.casts:
+            twin = self.twins.get(atom)
+            if twin is not None and dtype == self.ctx.half and dtype_of(value) == FLOAT32:
+                self.casts[key] = invariant_cast(value, twin)
+            else:
+                self.casts[key] = lax.convert_element_type(value, dtype)
+        return self.casts[key]
+
+
+# -- the rewrite --------------------------------------------------------------------------
+
+def rewrite_closed(ctx: Context, closed: core.ClosedJaxpr, in_avals: Sequence[Any], *,
+                   path: str = "", repeats: int = 1, twins: Sequence[bool] = (),
+                   pin_out: Sequence[Any] | None = None, name: str = "autocast"
+                   ) -> tuple[core.ClosedJaxpr, list[bool]]:
+    """``closed`` rewritten for operands of ``in_avals``.
+
+    ``twins[i]`` offers invar ``i`` a half copy made outside (an extra invar after all the
+    others); ``pin_out[i]`` casts output ``i`` to a dtype (``None``: as it comes). Returns
+    the new jaxpr (its constants as constvars) and which offered twins it uses (unused ones
+    are not invars).
+    """
+    n = len(in_avals)
+    twins = list(twins) or [False] * n
+    twin_of = [i for i, t in enumerate(twins) if t]
+    twin_avals = [in_avals[i].update(dtype=ctx.half, weak_type=False) for i in twin_of]
+
+    def run(*flat: Any) -> list[Any]:
+        args, copies = flat[:n], flat[n:]
+        scope = Scope(ctx, path, repeats)
+        scope.twins = {closed.jaxpr.invars[i]: c for i, c in zip(twin_of, copies, strict=True)}
+        outs = interpret(scope, closed.jaxpr, closed.consts, args)
+        if pin_out is not None:
+            outs = [o if d is None else _convert(o, d) for o, d in zip(outs, pin_out, strict=True)]
+        return outs
+
+    debug = api_util.debug_info(name, run, (*in_avals, *twin_avals), {})
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(run, debug_info=debug),
+                                                 [*in_avals, *twin_avals])
+    jaxpr, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars),
+                               instantiate=[True] * n + [False] * len(twin_of))
+    used_twins = [False] * n
+    for i, u in zip(twin_of, used[n:], strict=True):
+        used_twins[i] = u
+    return core.ClosedJaxpr(_named_like(jaxpr, closed.jaxpr), consts), used_twins
+
+
+def _named_like(jaxpr: core.Jaxpr, old: core.Jaxpr) -> core.Jaxpr:
+    """``jaxpr`` with ``old``'s debug info (its name shows in custom rules and profiles)."""
+    info = old.debug_info
+    if info is None:
+        return jaxpr
+    names = info.arg_names
+    if names is not None:
+        names = (*names, *[""] * (len(jaxpr.invars) - len(names)))[:len(jaxpr.invars)]
+    paths = info.result_paths if isinstance(info.result_paths, tuple) else None
+    if paths is not None and len(paths) != len(jaxpr.outvars):
+        paths = None
+    return jaxpr.replace(debug_info=info._replace(arg_names=names, result_paths=paths))
+
+
+def interpret(scope: Scope, jaxpr: core.Jaxpr, consts: Sequence[Any],
+              args: Sequence[Any]) -> list[Any]:
+    """Binds ``jaxpr``'s equations again, each as its rule asks, in the current trace."""
+    scope.env.update(zip(jaxpr.constvars, consts, strict=True))
+    scope.env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        path = _join(scope.path, str(eqn.source_info.name_stack))
+        rule = rule_of(eqn.primitive.name)
+        if rule not in _STRUCTURAL and not _eligible(eqn):
+            rule = Rule.AS_WRITTEN
+        rule = scope.ctx.decide(eqn, path, rule)
+        scope.bound = ()
+        with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+              eqn.ctx.manager):
+            outs, note = _APPLY[rule](scope, eqn, path)
+        for var, out in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(var, core.DropVar):
+                scope.env[var] = out
+        if scope.ctx.rows is not None and rule not in _STRUCTURAL:
+            scope.ctx.rows.append(Row(
+                eqn.primitive.name, rule, tuple(map(dtype_of, scope.bound)),
+                tuple(dtype_of(o) for o in outs), path, source_of(eqn),
+                _flops(eqn), scope.repeats, note))
+    return [_value(scope.read(v)) for v in jaxpr.outvars]
+
+
+# -- one function per rule: (scope, eqn, path) -> (outputs, note) ---------------------------
+
+def _bind(scope: Scope, eqn: Any, operands: Sequence[Any], **changes: Any) -> list[Any]:
+    scope.bound = [o for o, a in zip(operands, eqn.invars, strict=False) if _is_float_atom(a)]
+    return _bind_params(eqn, operands, {**eqn.params, **changes})
+
+
+def _bind_params(eqn: Any, operands: Sequence[Any], params: dict[str, Any]) -> list[Any]:
+    out = eqn.primitive.bind(*operands, **eqn.primitive.get_bind_params(params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _as_written(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+    return _bind(scope, eqn, [_as_original(scope, a) for a in eqn.invars]), ""
+
+
+def _operands(scope: Scope, eqn: Any, dtype: Any) -> list[Any]:
+    """The operands with every floating one in ``dtype``."""
+    return [scope.cast(a, dtype) if is_float(a.aval.dtype) else _value(scope.read(a))
+            for a in eqn.invars]
+
+
+def _half(scope: Scope, eqn: Any, path: str, out: Any = None) -> tuple[list[Any], str]:
+    operands = _operands(scope, eqn, scope.ctx.half)
+    changes = {}
+    if eqn.params.get("preferred_element_type") is not None:
+        changes["preferred_element_type"] = np.dtype(out or scope.ctx.half)
+    return _bind(scope, eqn, operands, **changes), ""
+
+
+def _half_float32_out(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+    outs, note = _half(scope, eqn, path, out=FLOAT32)
+    return [_convert(o, FLOAT32) for o in outs], note  # a matmul without the parameter
+
+
+def _float32(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+    return _bind(scope, eqn, _operands(scope, eqn, FLOAT32)), ""
+
+
+def _widest(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+    target = None  # literals follow the variables, unless the half dtype cannot hold them
+    literal_fits = True
+    for atom in eqn.invars:
+        if not is_float(atom.aval.dtype):
+            continue
+        value = scope.read(atom)
+        if isinstance(value, Literal):
+            literal_fits = literal_fits and fits(value.val, scope.ctx.half)
+        elif target is None or dtype_of(value) == FLOAT32:
+            target = dtype_of(value)
+    if target is None:  # no variable: a constant of the program, as written
+        return _as_written(scope, eqn, path)
+    if not literal_fits:
+        target = FLOAT32
+    return _bind(scope, eqn, _operands(scope, eqn, target)), ""
+
+
+def _each(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+    return _bind(scope, eqn, [_value(scope.read(a)) for a in eqn.invars]), ""
+
+
+def _convert(value: Any, dtype: Any) -> Any:
+    """``value`` in ``dtype`` (a floating value; others are returned as they are)."""
+    if dtype is None or not is_float(dtype) or dtype_of(value) == np.dtype(dtype):
+        return value
+    return lax.convert_element_type(value, dtype)
+
+
+def _user_convert(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+    return _bind(scope, eqn, [_value(scope.read(eqn.invars[0]))]), ""
+
+
+def _call(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+    """``jit``, ``checkpoint``, ``closed_call``, ``shard_map``, ``cond``."""
+    name = eqn.primitive.name
+    if name == "cond":
+        return _cond(scope, eqn, path), ""
+    if name == "shard_map":
+        return _shard_map(scope, eqn, path), ""
+    key = "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
+    inner = eqn.params[key]
+    closed = inner if isinstance(inner, core.ClosedJaxpr) else core.ClosedJaxpr(inner, ())
+    operands = [_value(scope.read(a)) for a in eqn.invars]
+    offer = [] if name in ("jit", "pjit") else _passes_twins(scope, eqn.invars)
+    new, used = rewrite_closed(scope.ctx, closed, [_aval(o) for o in operands], path=path,
+                               repeats=scope.repeats, twins=offer)
+    copies = _copies(scope, eqn.invars, used)
+    if isinstance(inner, core.ClosedJaxpr) and not copies:
+        return _bind(scope, eqn, operands, **{key: new}), ""
+    open_jaxpr = pe.convert_constvars_jaxpr(new.jaxpr)
+    changes: dict[str, Any] = {key: open_jaxpr}
+    if isinstance(inner, core.ClosedJaxpr):  # closed_call with copies: its consts as operands
+        changes[key] = core.ClosedJaxpr(open_jaxpr, ())
+    return _bind(scope, eqn, [*new.consts, *operands, *copies], **changes), ""
+
+
+def _cond(scope: Scope, eqn: Any, path: str) -> list[Any]:
+    index, *operands = [_value(scope.read(a)) for a in eqn.invars]
+    atoms = eqn.invars[1:]
+    offer = _passes_twins(scope, atoms)
+    avals = [_aval(o) for o in operands]
+    rewrite = functools.partial(rewrite_closed, scope.ctx, in_avals=avals, path=path,
+                                repeats=scope.repeats, twins=offer)
+    branches = [rewrite(b) for b in eqn.params["branches"]]
+    outs = [[dtype_of_aval(v.aval) for v in b.jaxpr.outvars] for b, _ in branches]
+    target = [FLOAT32 if FLOAT32 in column else column[0] for column in zip(*outs, strict=True)]
+    branches = [(b, u) if o == target else rewrite(old, pin_out=target)
+                for (b, u), o, old in zip(branches, outs, eqn.params["branches"], strict=True)]
+    used = [any(u[i] for _, u in branches) for i in range(len(atoms))]
+    copies = _copies(scope, atoms, used)
+    # every branch takes every branch's constants and every copy any branch uses
+    consts = [c for b, _ in branches for c in b.consts]
+    n_const = [len(b.consts) for b, _ in branches]
+    jaxprs = []
+    for k, (b, u) in enumerate(branches):
+        jaxpr = pe.convert_constvars_jaxpr(b.jaxpr)
+        own = jaxpr.invars[:n_const[k]]
+        args = jaxpr.invars[n_const[k]:n_const[k] + len(atoms)]
+        mine = iter(jaxpr.invars[n_const[k] + len(atoms):])
+        twin_vars = [next(mine) if u[i] else core.Var(_twin_aval(avals[i], scope.ctx.half))
+                     for i in range(len(atoms)) if used[i]]
+        const_vars = [v for j, c in enumerate(n_const)
+                      for v in (own if j == k else [core.Var(x.aval) for x in
+                                                    pe.convert_constvars_jaxpr(
+                                                        branches[j][0].jaxpr).invars[:c]])]
+        jaxprs.append(core.ClosedJaxpr(
+            jaxpr.replace(invars=[*const_vars, *args, *twin_vars]), ()))
+    return _bind(scope, eqn, [index, *consts, *operands, *copies], branches=tuple(jaxprs))
+
+
+def _shard_map(scope: Scope, eqn: Any, path: str) -> list[Any]:
+    """Rewritten while ``shard_map`` traces its body (its axes and mesh in context)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    del params["subfuns"]
+    jaxpr = eqn.params["jaxpr"]
+    ctx, repeats = scope.ctx, scope.repeats
+
+    def rewritten(*args: Any) -> Any:
+        inner = Scope(ctx, path, repeats)
+        return _flat_tree(interpret(inner, jaxpr, (), args), eqn)
+
+    out = eqn.primitive.bind(*[_value(scope.read(a)) for a in eqn.invars],
+                             subfuns=(rewritten,), **params)
+    return list(out)
+
+
+def _flat_tree(outs: list[Any], eqn: Any) -> Any:
+    from jax._src.tree_util import FlatTree  # noqa: PLC0415  (shard_map's own return type)
+
+    return FlatTree.flatten(outs).with_aux(eqn.params["out_specs"])
+
+
+def _loop(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+    return (_scan if eqn.primitive.name == "scan" else _while)(scope, eqn, path), ""
+
+
+def _scan(scope: Scope, eqn: Any, path: str) -> list[Any]:
+    p = eqn.params
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    atoms = eqn.invars
+    operands = [_value(scope.read(a)) for a in atoms]
+    body = p["jaxpr"]
+    for i in range(n_consts, n_consts + n_carry):  # the carry keeps its dtype
+        operands[i] = _as_original(scope, atoms[i])
+    avals = [v.aval.update(dtype=dtype_of(o)) for v, o in zip(body.jaxpr.invars, operands,
+                                                              strict=True)]
+    offer = [*_offers(scope, atoms[:n_consts]), *[False] * (len(atoms) - n_consts)]
+    pin = [v.aval.dtype for v in body.jaxpr.outvars[:n_carry]]
+    new, used = rewrite_closed(scope.ctx, body, avals, path=path,
+                               repeats=scope.repeats * int(p["length"]), twins=offer,
+                               pin_out=[*pin, *[None] * (len(body.jaxpr.outvars) - n_carry)])
+    copies = _copies(scope, atoms, used)
+    jaxpr = _twins_after(pe.convert_constvars_jaxpr(new.jaxpr), len(new.consts) + n_consts,
+                         len(copies))
+    args = [*new.consts, *operands[:n_consts], *copies, *operands[n_consts:]]
+    changes = {"linear": (False,) * len(args)} if "linear" in p else {}
+    return _bind(scope, eqn, args, jaxpr=core.ClosedJaxpr(jaxpr, ()),
+                 num_consts=len(new.consts) + n_consts + len(copies), **changes)
+
+
+def _while(scope: Scope, eqn: Any, path: str) -> list[Any]:
+    p = eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    atoms = eqn.invars
+    operands = [_value(scope.read(a)) for a in atoms]
+    for i in range(nc + nb, len(atoms)):
+        operands[i] = _as_original(scope, atoms[i])
+    carry_avals = [_aval(o) for o in operands[nc + nb:]]
+
+    def part(closed: Any, consts: slice, pin: Any) -> tuple[Any, list[Any]]:
+        const_atoms = atoms[consts]
+        avals = [_aval(o) for o in operands[consts]] + carry_avals
+        offer = [*_offers(scope, const_atoms), *[False] * len(carry_avals)]
+        new, used = rewrite_closed(scope.ctx, closed, avals, path=path, repeats=scope.repeats,
+                                   twins=offer, pin_out=pin)
+        copies = _copies(scope, const_atoms, used[:len(const_atoms)])
+        k = len(new.consts) + len(const_atoms)
+        jaxpr = _twins_after(pe.convert_constvars_jaxpr(new.jaxpr), k, len(copies))
+        return core.ClosedJaxpr(jaxpr, ()), [*new.consts, *operands[consts], *copies]
+
+    cond, cond_args = part(p["cond_jaxpr"], slice(0, nc), None)
+    body, body_args = part(p["body_jaxpr"], slice(nc, nc + nb),
+                           [a.aval.dtype for a in atoms[nc + nb:]])
+    return _bind(scope, eqn, [*cond_args, *body_args, *operands[nc + nb:]], cond_jaxpr=cond,
+                 body_jaxpr=body, cond_nconsts=len(cond_args), body_nconsts=len(body_args))
+
+
+def _twins_after(jaxpr: core.Jaxpr, at: int, n: int) -> core.Jaxpr:
+    """Moves the last ``n`` invars (the twins) to position ``at`` (after the constants)."""
+    if not n:
+        return jaxpr
+    invars = list(jaxpr.invars)
+    twins, rest = invars[-n:], invars[:-n]
+    return jaxpr.replace(invars=[*rest[:at], *twins, *rest[at:]])
+
+
+def _custom(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+    """A custom rule: the author's rule kept, its boundary in the dtypes it was written for,
+    the code inside (primal function and rule) rewritten like the rest."""
+    operands = [_as_original(scope, a) for a in eqn.invars]
+    params = dict(eqn.params)
+    ctx, repeats = scope.ctx, scope.repeats
+    out_dtypes = [v.aval.dtype for v in eqn.outvars]
+
+    def pinned(closed: Any, record: bool) -> core.ClosedJaxpr:
+        sub = ctx if record else dataclasses.replace(ctx, rows=None)
+        new, _ = rewrite_closed(sub, closed, closed.in_avals, path=path, repeats=repeats,
+                                pin_out=[a.dtype for a in closed.out_avals])
+        return new
+
+    try:
+        params["call_jaxpr"] = pinned(params["call_jaxpr"], record=True)
+        if eqn.primitive.name == "custom_jvp_call":
+            params["jvp_jaxpr_fun"] = _pinned_thunk(params["jvp_jaxpr_fun"], pinned, 3)
+        else:
+            params["fwd_jaxpr_thunk"] = _pinned_thunk(params["fwd_jaxpr_thunk"], pinned, 2)
+            params["bwd"] = _pinned_bwd(params["bwd"], ctx)
+    except (KeyError, TypeError) as error:  # another JAX's parameters: keep the rule as is
+        return _as_written(scope, eqn, path)[0], f"kept as written ({error})"
+    outs = _bind_params(eqn, operands, params)
+    return [_convert(o, d) for o, d in zip(outs, out_dtypes, strict=True)], ""
+
+
+def _pinned_thunk(thunk: Any, pinned: Callable[..., Any], arity: int) -> Any:
+    """A custom rule's jaxpr thunk whose jaxpr comes back rewritten, boundary pinned."""
+
+    @functools.cache
+    def rewritten(*zeros: Any) -> Any:
+        jaxpr, consts, *rest = thunk.call_wrapped(*zeros)
+        new = pinned(core.ClosedJaxpr(pe.convert_constvars_jaxpr(jaxpr), ()), False)
+        # its constants and the thunk's back as constvars, as the thunk's callers bind them
+        jaxpr = pe.convert_invars_to_constvars(pe.convert_constvars_jaxpr(new.jaxpr),
+                                               len(new.consts) + len(consts))
+        return (jaxpr, [*new.consts, *consts], *rest)
+
+    return lu.wrap_init(rewritten, debug_info=thunk.debug_info)
+
+
+def _pinned_bwd(bwd: Any, ctx: Context) -> Any:
+    """A ``custom_vjp``'s backward rule, rewritten each time it is traced."""
+    sub = dataclasses.replace(ctx, rows=None)
+
+    def rewritten(*args: Any) -> Any:
+        zeros: list[Any] = []
+
+        def flat(*xs: Any) -> list[Any]:
+            outs = bwd.call_wrapped(*xs)
+            zeros[:] = [o if isinstance(o, ad.Zero) else None for o in outs]
+            return [o for o in outs if not isinstance(o, ad.Zero)]
+
+        avals = [core.typeof(a) for a in args]
+        debug = api_util.debug_info("autocast bwd", flat, avals, {})
+        jaxpr, out_avals, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(flat, debug_info=debug),
+                                                             avals)
+        closed = core.ClosedJaxpr(pe.convert_constvars_jaxpr(jaxpr), ())
+        new, _ = rewrite_closed(sub, closed, [*map(core.typeof, consts), *avals],
+                                pin_out=[a.dtype for a in out_avals])
+        outs = iter(core.eval_jaxpr(new.jaxpr, new.consts, *consts, *args))
+        return [z if z is not None else next(outs) for z in zeros]
+
+    return lu.wrap_init(rewritten, debug_info=bwd.debug_info)
+
+
+_APPLY: dict[Rule, Callable[[Scope, Any, str], tuple[list[Any], str]]] = {
+    Rule.HALF: _half,
+    Rule.HALF_FLOAT32_OUT: _half_float32_out,
+    Rule.FLOAT32: _float32,
+    Rule.WIDEST: _widest,
+    Rule.EACH: _each,
+    Rule.AS_WRITTEN: _as_written,
+    Rule.UNKNOWN: _as_written,
+    Rule.CONVERT: _user_convert,
+    Rule.CALL: _call,
+    Rule.LOOP: _loop,
+    Rule.CUSTOM: _custom,
+}
+_STRUCTURAL = frozenset({Rule.CALL, Rule.LOOP, Rule.CUSTOM})  # rewritten inside, never as a whole
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+@jax.custom_jvp
+def invariant_cast(value: Any, half_copy: Any) -> Any:
+    """``half_copy`` (``value`` cast outside a loop), with ``value``'s gradient: the
+    gradient of a loop-invariant weight still accumulates in float32 over the loop."""
+    del value
+    return half_copy
+
+
+@invariant_cast.defjvp
+def _invariant_cast_jvp(primals: Any, tangents: Any) -> Any:
+    _, half_copy = primals
+    tangent, _ = tangents
+    return half_copy, lax.convert_element_type(tangent, half_copy.dtype)
+
+
+def _offers(scope: Scope, atoms: Sequence[Any]) -> list[bool]:
+    """Which operands could come with a half copy made here (float32 variables)."""
+    return [not isinstance(a, core.Literal) and a.aval.dtype == FLOAT32
+            and dtype_of(scope.read(a)) == FLOAT32 for a in atoms]
+
+
+def _passes_twins(scope: Scope, atoms: Sequence[Any]) -> list[bool]:
+    """Which operands of a call bring in a half copy made outside a loop (a call makes
+    no new copies: a copy made outside ``checkpoint`` would be saved, not recomputed)."""
+    return [not isinstance(a, core.Literal) and a in scope.twins for a in atoms]
+
+
+def _copies(scope: Scope, atoms: Sequence[Any], used: Sequence[bool]) -> list[Any]:
+    """The half copies a sub-program uses: this scope's own (from outside a loop), or a
+    cast made here."""
+    return [scope.twins[a] if a in scope.twins else scope.cast(a, scope.ctx.half)
+            for a, u in zip(atoms, used, strict=True) if u]
+
+
+def _twin_aval(aval: Any, half: Any) -> Any:
+    return aval.update(dtype=half, weak_type=False)
+
+
+def _as_original(scope: Scope, atom: Any) -> Any:
+    if isinstance(atom, core.Literal):
+        return atom.val
+    return scope.cast(atom, atom.aval.dtype) if is_float(atom.aval.dtype) else scope.read(atom)
+
+
+def _is_float_atom(atom: Any) -> bool:
+    return hasattr(atom.aval, "dtype") and is_float(atom.aval.dtype)
+
+
+def _value(value: Any) -> Any:
+    return value.val if isinstance(value, Literal) else value
+
+
+def _aval(value: Any) -> Any:
+    return core.typeof(value)
+
+
+def _eligible(eqn: Any) -> bool:
+    """Whether every floating value the equation reads or writes was float32: autocast
+    changes float32 computations only; float64, complex and what the user wrote in a
+    16-bit dtype run as written."""
+    dtypes = [v.aval.dtype for v in (*eqn.invars, *eqn.outvars) if hasattr(v.aval, "dtype")]
+    return all(d == FLOAT32 for d in dtypes if jnp.issubdtype(d, jnp.inexact))
+
+
+def _flops(eqn: Any) -> int:
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        return 2 * int(np.prod([lhs[d] for d in lc], dtype=np.int64)) * int(
+            np.prod(eqn.outvars[0].aval.shape, dtype=np.int64))
+    if name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval.shape
+        out = eqn.outvars[0].aval.shape
+        spec = eqn.params["dimension_numbers"]
+        rhs_spec = spec.rhs_spec if spec is not None else tuple(range(len(rhs)))
+        per_output = int(np.prod([rhs[d] for d in rhs_spec[1:]], dtype=np.int64))
+        return 2 * per_output * int(np.prod(out, dtype=np.int64))
+    return 0
+
+
+def is_float(dtype: Any) -> bool:
+    """Whether ``dtype`` is a real floating dtype."""
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def dtype_of(value: Any) -> Any:
+    """The dtype of a value (a NumPy dtype, or JAX's extended dtype of a PRNG key)."""
+    return dtype_of_aval(value.aval if isinstance(value, Literal) else core.typeof(value))
+
+
+def dtype_of_aval(aval: Any) -> Any:
+    dtype = getattr(aval, "dtype", None)
+    return dtype if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else (
+        np.dtype(dtype))
+
+
+def fits(value: Any, half: Any) -> bool:
+    """Whether a scalar is held by ``half`` without becoming 0, a subnormal or inf."""
+    x = float(np.asarray(value, np.float64))
+    if x == 0.0 or not np.isfinite(x):
+        return True
+    y = float(np.asarray(x, half).astype(np.float64))
+    return bool(np.isfinite(y) and abs(y) >= float(jnp.finfo(half).tiny))
+
+
+def _join(outer: str, inner: str) -> str:
+    return "/".join(p for p in (outer, inner) if p)
+
+
+def source_of(eqn: Any) -> str | None:
+    """``file:line`` of the innermost frame of ``eqn`` outside JAX, the frameworks and
+    this library."""
+    frame = user_frame(eqn.source_info.traceback)
+    return None if frame is None else f"{frame.file_name}:{frame.start_line}"
+
+
+_FRAMEWORK_DIRS: tuple[str, ...] | None = None
+
+
+def user_frame(traceback: Any) -> Any:
+    """The innermost frame of ``traceback`` outside JAX, flax, Equinox, optax and this
+    library (``None`` when there is none)."""
+    global _FRAMEWORK_DIRS
+    if _FRAMEWORK_DIRS is None:
+        import importlib.util
+        import os
+
+        dirs = []
+        for name in ("flax", "equinox", "optax", "haiku", "chex", "loss_scaling"):
+            spec = importlib.util.find_spec(name)
+            if spec is not None and spec.submodule_search_locations:
+                dirs.extend(os.path.join(p, "") for p in spec.submodule_search_locations)
+        _FRAMEWORK_DIRS = tuple(dirs)
+    if traceback is None:
+        return None
+    for frame in source_info_util.user_frames(traceback):
+        if not frame.file_name.startswith(_FRAMEWORK_DIRS) or frame.file_name.endswith(
+                "demo.py"):
+            return frame
+    return None
