@@ -12,7 +12,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
+from jax._src import api_util, core
+from jax._src import linear_util as lu
+from jax._src.interpreters import partial_eval as pe
 
 from loss_scaling import _registry
 from loss_scaling.autocast.policy import DEFAULT, AutocastPolicy
@@ -138,7 +140,9 @@ class Autocast:
         call = Call(fn, args, kwargs or {})
         traced = self._traced.get(call.key)
         if traced is None:
-            traced = self._traced[call.key] = self.trace(call)
+            traced = self.trace(call)
+            if not any(isinstance(c, core.Tracer) for c in traced.jaxpr.consts):
+                self._traced[call.key] = traced  # not when fn closes over a traced value
         return jax.tree.unflatten(traced.out_tree, traced.run(*call.arrays))
 
     def trace(self, call: Call, rows: list[Row] | None = None) -> Traced:
@@ -170,10 +174,12 @@ class Call:
 
     def jaxpr(self) -> tuple[core.ClosedJaxpr, Any]:
         """The float32 program and its output tree; an error naming an output that is not
-        an array."""
+        an array. Traced in the current context with the arguments' own types (their
+        sharding, and inside ``shard_map`` the axes they vary over)."""
         fn, leaves, dynamic, treedef = self.fn, self.leaves, self.dynamic, self.treedef
+        out_tree: list[Any] = []
 
-        def flat(*xs: Any) -> Any:
+        def flat(*xs: Any) -> list[Any]:
             it = iter(xs)
             args, kwargs = jax.tree.unflatten(
                 treedef, [next(it) if d else x for x, d in zip(leaves, dynamic, strict=True)])
@@ -183,16 +189,20 @@ class Call:
                     raise TypeError(NOT_AN_ARRAY.format(
                         name=getattr(fn, "__name__", "fn"), what=_describe(leaf),
                         path=jax.tree_util.keystr(path) or "(the result)"))
-            return out
+            outs, tree = jax.tree.flatten(out)
+            out_tree.append(tree)
+            return outs
 
-        closed, shape = jax.make_jaxpr(flat, return_shape=True)(*self.avals)
-        return closed, jax.tree.structure(shape)
+        debug = api_util.debug_info("ls.autocast", fn, (*self.avals,), {})
+        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(flat, debug_info=debug),
+                                                     self.avals)
+        return core.ClosedJaxpr(jaxpr, consts), out_tree[0]
 
 
-def _aval(x: Any) -> jax.ShapeDtypeStruct:
+def _aval(x: Any) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=core.typeof(x).weak_type)
+        return core.ShapedArray(x.shape, x.dtype, weak_type=x.weak_type)
+    return core.typeof(x)
 
 
 def rewrite(closed: core.ClosedJaxpr, dtype: np.dtype, policy: AutocastPolicy,

@@ -599,7 +599,8 @@ def fits(value: Any, half: Any) -> bool:
     x = float(np.asarray(value, np.float64))
     if x == 0.0 or not np.isfinite(x):
         return True
-    y = float(np.asarray(x, half).astype(np.float64))
+    with np.errstate(over="ignore"):
+        y = float(np.asarray(x, half).astype(np.float64))
     return bool(np.isfinite(y) and abs(y) >= float(jnp.finfo(half).tiny))
 
 
