@@ -145,7 +145,7 @@ class Autocast:
                 self._traced[call.key] = traced  # not when fn closes over a traced value
         return jax.tree.unflatten(traced.out_tree, traced.run(*call.arrays))
 
-    def trace(self, call: Call, rows: list[Row] | None = None) -> Traced:
+    def trace(self, call: Call, rows: dict[Any, Row] | None = None) -> Traced:
         """``call``'s autocast program (``rows``, when given, receive the report's rows)."""
         closed, out_tree = call.jaxpr()
         new = rewrite(closed, self.dtype, self.policy, rows)
@@ -172,6 +172,7 @@ class Call:
             None if d else _static_key(x) for x, d in zip(self.leaves, self.dynamic,
                                                           strict=True)), tuple(self.avals))
 
+    @functools.cache  # noqa: B019  (a Call lives for one call)
     def jaxpr(self) -> tuple[core.ClosedJaxpr, Any]:
         """The float32 program and its output tree; an error naming an output that is not
         an array. Traced in the current context with the arguments' own types (their
@@ -205,12 +206,17 @@ def _aval(x: Any) -> Any:
     return core.typeof(x)
 
 
+def context(dtype: Any, policy: AutocastPolicy,
+            rows: dict[Any, Row] | None = None) -> Context:
+    """The rewrite's context for a half dtype and a policy."""
+    return Context(np.dtype(dtype), policy.decide, rows)
+
+
 def rewrite(closed: core.ClosedJaxpr, dtype: np.dtype, policy: AutocastPolicy,
-            rows: list[Row] | None = None) -> core.ClosedJaxpr:
+            rows: dict[Any, Row] | None = None) -> core.ClosedJaxpr:
     """The autocast program of a float32 ``closed`` jaxpr: its outputs in their own
     dtypes."""
-    ctx = Context(np.dtype(dtype), policy.decide, rows)
-    new, _ = rewrite_closed(ctx, closed, closed.in_avals,
+    new, _ = rewrite_closed(context(dtype, policy, rows), closed, closed.in_avals,
                             pin_out=[getattr(a, "dtype", None) for a in closed.out_avals])
     return new
 

@@ -8,7 +8,9 @@ so it holds for other batches, under ``jit`` and after the params change.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import json
+import os
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from loss_scaling.autocast.rewrite import source_of
@@ -120,6 +122,90 @@ class AutocastPolicy:
     def is_default(self) -> bool:
         """Whether this policy changes nothing (the default program)."""
         return not (self.float32 or self.float32_out or self.rules)
+
+    def extended(self, float32: Iterable[Site] = (), float32_out: Iterable[Site] = ()
+                 ) -> AutocastPolicy:
+        """This policy with more sites (each once, in order)."""
+        return dataclasses.replace(
+            self, float32=tuple(dict.fromkeys((*self.float32, *float32))),
+            float32_out=tuple(dict.fromkeys((*self.float32_out, *float32_out))))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-compatible dict (:meth:`from_dict` reads it back)."""
+        return {"format": FORMAT, "version": VERSION,
+                "float32": [_site_json(s) for s in self.float32],
+                "float32_out": [_site_json(s) for s in self.float32_out],
+                "rules": {k: v.value for k, v in sorted(self.rules.items())}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> AutocastPolicy:
+        """The policy :meth:`to_dict` wrote, or one written by hand: ``{"float32":
+        ["Model/head", "model.py:42"], "float32_out": [{"path": ..., "source": ...,
+        "primitive": ...}], "rules": {"custom_jvp_call": "as written"}}``; every key is
+        optional."""
+        if not isinstance(data, Mapping):
+            raise TypeError(BAD_JSON.format(what=f"a {type(data).__name__}"))
+        unknown = set(data) - {"format", "version", "float32", "float32_out", "rules"}
+        if unknown:
+            raise ValueError(BAD_JSON.format(what=f"unknown keys {sorted(unknown)}"))
+        if data.get("format", FORMAT) != FORMAT or data.get("version", VERSION) != VERSION:
+            raise ValueError(BAD_JSON.format(
+                what=f"format {data.get('format')!r} version {data.get('version')!r}"))
+        by_value = {rule.value: rule for rule in Rule}
+        rules = {}
+        for name, value in dict(data.get("rules", {})).items():
+            if value not in by_value:
+                raise ValueError(BAD_JSON.format(
+                    what=f"rule {value!r} for {name!r} (one of {sorted(by_value)})"))
+            rules[name] = by_value[value]
+        return cls(float32=tuple(_site_from_json(x) for x in data.get("float32", ())),
+                   float32_out=tuple(_site_from_json(x) for x in data.get("float32_out", ())),
+                   rules=rules)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes the policy to a JSON file."""
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> AutocastPolicy:
+        """Reads a policy from a JSON file (:meth:`save`'s, or written by hand)."""
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+FORMAT, VERSION = "loss_scaling.AutocastPolicy", 1
+BAD_JSON = ("an autocast policy file holds {{'float32': [...], 'float32_out': [...], "
+            "'rules': {{...}}}} (format " + repr(FORMAT) + ", version " + str(VERSION)
+            + "); this one has {what}")
+
+
+def _site_json(site: Site) -> Any:
+    fields = {k: v for k, v in site._asdict().items() if v}
+    if list(fields) == ["path"] or list(fields) == ["source"]:
+        return next(iter(fields.values()))  # the string form Site.parse reads
+    return fields
+
+
+def _site_from_json(value: Any) -> Site:
+    if isinstance(value, Mapping):
+        unknown = set(value) - set(Site._fields)
+        if unknown:
+            raise ValueError(BAD_JSON.format(what=f"a site with unknown keys {sorted(unknown)}"))
+        return Site(**{k: str(v) for k, v in value.items()})
+    return Site.parse(value)
+
+
+def site_of(path: str, source: str | None, primitive: str) -> Site:
+    """The site of one equation, its file relative to the working directory when inside
+    it (a policy file then holds on another machine's checkout)."""
+    if source is not None:
+        file, _, line = source.rpartition(":")
+        relative = os.path.relpath(file)
+        if not relative.startswith(".."):
+            source = f"{relative}:{line}"
+    return Site(path=path, source=source or "", primitive=primitive)
 
 
 DEFAULT = AutocastPolicy()

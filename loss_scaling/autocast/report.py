@@ -1,4 +1,5 @@
-""":func:`autocast_report`: which equation ran in which dtype, and which rule decided."""
+""":func:`autocast_report`: which equation runs in which dtype, which rule decided, and,
+run on the given values, which half results overflow (with the policy that fixes them)."""
 
 from __future__ import annotations
 
@@ -7,27 +8,53 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
+from jax._src import core
 
-from loss_scaling.autocast.function import Autocast, Call, autocast
-from loss_scaling.autocast.rewrite import Row
+from loss_scaling.autocast.function import Autocast, Call, autocast, context
+from loss_scaling.autocast.measure import measure
+from loss_scaling.autocast.policy import AutocastPolicy, Site, site_of
+from loss_scaling.autocast.rewrite import HEADROOM_FACTOR, Row
 from loss_scaling.autocast.rules import Rule
 
 __all__ = ["AutocastReport", "autocast_report"]
 
+MAX_PASSES = 8  # measure, extend the policy, measure again: a fixed point in a few passes
+
 
 @dataclasses.dataclass(frozen=True)
 class AutocastReport:
-    """What :func:`autocast_report` found: one :class:`~loss_scaling.autocast.rewrite.Row`
-    per equation of the autocast program (loop bodies once, with ``repeats``).
+    """What :func:`autocast_report` found.
 
     Attributes:
-      rows: the equations in program order.
+      rows: one :class:`~loss_scaling.autocast.rewrite.Row` per equation of the autocast
+        program and place in the model, in program order (a loop body's equations once,
+        with ``repeats``).
       dtype: the half dtype.
+      measured: whether the program ran on the given values (``max_abs`` and
+        ``overflows`` of each row); not when given shapes or traced values.
+      policy: the policy that keeps in float32 exactly what overflows (the given one when
+        nothing does): pass it to :func:`loss_scaling.autocast` as ``policy=``.
+      unfixed: rows that still overflow under ``policy`` (a user's own ``astype`` to half
+        is never changed).
     """
 
     rows: tuple[Row, ...]
     dtype: np.dtype
+    measured: bool = False
+    policy: AutocastPolicy = dataclasses.field(default_factory=AutocastPolicy)
+    unfixed: tuple[Row, ...] = ()
+
+    @property
+    def overflows(self) -> tuple[Row, ...]:
+        """The rows whose half result (or half input) the dtype does not hold."""
+        return tuple(r for r in self.rows if r.overflows)
+
+    @property
+    def unknown(self) -> tuple[Row, ...]:
+        """The equations whose primitive the rules do not know (run as written)."""
+        return tuple(r for r in self.rows if r.rule is Rule.UNKNOWN)
 
     def flops_by_dtype(self) -> dict[str, int]:
         """Matmul and convolution FLOPs of one call, by the dtype of their operands
@@ -39,73 +66,107 @@ class AutocastReport:
                 totals[names.pop() if len(names) == 1 else "mixed"] += row.flops * row.repeats
         return dict(totals)
 
-    def rules(self) -> dict[Rule, int]:
-        """How many equations each rule decided."""
-        return dict(collections.Counter(row.rule for row in self.rows))
-
-    @property
-    def unknown(self) -> tuple[Row, ...]:
-        """The equations whose primitive the rules do not know (run as written)."""
-        return tuple(r for r in self.rows if r.rule is Rule.UNKNOWN)
-
     def half_flops_fraction(self) -> float:
         """The share of matmul/convolution FLOPs with half operands (1.0 with none)."""
         totals = self.flops_by_dtype()
         total = sum(totals.values())
         return 1.0 if not total else totals.get(str(self.dtype), 0) / total
 
-    def __str__(self) -> str:
-        def dtypes(ds: tuple[Any, ...]) -> str:
-            return ",".join("lit" if d is None else _short(d) for d in ds) or "-"
+    def rules(self) -> dict[Rule, int]:
+        """How many equations each rule decided."""
+        return dict(collections.Counter(row.rule for row in self.rows))
 
-        header = ("primitive", "rule", "in", "out", "module path", "source")
-        body = [(r.primitive + (f" x{r.repeats}" if r.repeats > 1 else ""), r.rule.value,
-                 dtypes(r.in_dtypes), dtypes(r.out_dtypes), r.path or "-",
-                 _short_source(r.source) + (f"  ({r.note})" if r.note else ""))
-                for r in self.rows]
-        widths = [max(len(str(x)) for x in col) for col in zip(header, *body, strict=True)]
-        lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)).rstrip()
-                 for line in (header, *body)]
+    def __str__(self) -> str:
         flops = self.flops_by_dtype()
         total = sum(flops.values()) or 1
-        summary = [f"ls.autocast to {self.dtype}: {len(self.rows)} equations"]
+        lines = [f"ls.autocast to {self.dtype}: {len(self.rows)} equations"]
         if flops:
-            summary.append("matmul/conv FLOPs: " + ", ".join(
+            lines.append("matmul/conv FLOPs: " + ", ".join(
                 f"{k} {v:.3g} ({100 * v / total:.0f}%)" for k, v in sorted(flops.items())))
-        summary.append("equations per rule: " + ", ".join(
+        lines.append("equations per rule: " + ", ".join(
             f"{rule.value} {n}" for rule, n in sorted(self.rules().items(),
                                                       key=lambda kv: -kv[1])))
         if self.unknown:
-            summary.append(f"unknown primitives (run as written): "
-                           f"{', '.join(sorted({r.primitive for r in self.unknown}))}")
-        return "\n".join([*summary, "", *lines])
+            lines.append(f"unknown primitives (run as written): "
+                         f"{', '.join(sorted({r.primitive for r in self.unknown}))}")
+        if self.measured:
+            limit = float(np.finfo(self.dtype).max) if self.dtype != np.dtype("bfloat16") else (
+                3.39e38)
+            if self.overflows:
+                lines += ["", f"{len(self.overflows)} equation(s) overflow {self.dtype} "
+                          f"(or come within {HEADROOM_FACTOR:g}x of its largest value, "
+                          f"{limit:.6g}) in the forward pass: no loss scale fixes them. Keep "
+                          "them in float32:", "    ls.autocast(fn, policy=report.policy)",
+                          "", _table(self.overflows, measured=True)]
+                if self.unfixed:
+                    lines += ["", "still overflowing under report.policy (the user's own "
+                              "casts, or more than the passes allowed):",
+                              _table(self.unfixed, measured=True)]
+            else:
+                lines.append(f"measured: every half result fits {self.dtype} with "
+                             f"{HEADROOM_FACTOR:g}x headroom")
+        return "\n".join([*lines, "", _table(self.rows, measured=self.measured)])
+
+
+def _table(rows: tuple[Row, ...], measured: bool) -> str:
+    def dtypes(ds: tuple[Any, ...]) -> str:
+        return ",".join(_short(d) for d in ds) or "-"
+
+    header = ("primitive", "rule", "in", "out", *(("max |x|", "flag") if measured else ()),
+              "module path", "source")
+    body = [(r.primitive + (f" x{r.repeats}" if r.repeats > 1 else ""), r.rule.value,
+             dtypes(r.in_dtypes), dtypes(r.out_dtypes),
+             *((("-" if r.max_abs is None else f"{r.max_abs:.4g}"), r.overflows or "")
+               if measured else ()),
+             r.path or "-", _short_source(r.source) + (f"  ({r.note})" if r.note else ""))
+            for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body, strict=True)]
+    return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True))
+                     .rstrip() for line in (header, *body))
 
 
 def autocast_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AutocastReport:
-    """What :func:`loss_scaling.autocast` makes of ``fn`` for these arguments.
+    """What :func:`loss_scaling.autocast` makes of ``fn`` for these arguments, measured.
+
+    Given values, the autocast program runs on them equation by equation (loops step by
+    step; nothing is written into an ``nnx`` model) and each row records the largest
+    magnitude it produced. A half result that is inf or NaN while its operands are finite,
+    or that comes within :data:`~loss_scaling.autocast.rewrite.HEADROOM_FACTOR` of the half
+    dtype's largest value, is flagged: a forward overflow no loss scale can fix.
+    ``report.policy`` keeps exactly those equations in float32 (a matmul keeps half operands
+    and accumulates in float32) and lets float32 spread only as far as the value stays out
+    of half range; measured again until nothing more overflows. Given shapes
+    (``jax.ShapeDtypeStruct``) or traced values, nothing runs and only the dtypes are shown.
 
     Args:
       fn: a function (autocast to float16 with the default policy) or the result of
         :func:`loss_scaling.autocast` (its dtype and policy are used).
-      *args: its arguments (arrays or their ``jax.ShapeDtypeStruct``: nothing runs).
+      *args: its arguments.
       **kwargs: its keyword arguments.
 
     Returns:
-      An :class:`AutocastReport`; ``print`` it for the table.
+      An :class:`AutocastReport`; ``print`` it for the table, overflows first.
 
     Examples:
       >>> import jax.numpy as jnp
       >>> import loss_scaling as ls
-      >>> report = ls.autocast_report(lambda w, x: jnp.sum(x @ w), jnp.ones((4, 3)),
-      ...                             jnp.ones((2, 4)))
-      >>> [(r.primitive, r.rule.value, str(r.out_dtypes[0])) for r in report.rows]
-      [('dot_general', 'half', 'float16'), ('reduce_sum', 'float32', 'float32')]
+      >>> def fn(w, x):
+      ...     return jnp.sum(x @ w)
+      >>> w, x = jnp.full((4, 3), 300.0, jnp.float32), jnp.full((2, 4), 100.0, jnp.float32)
+      >>> report = ls.autocast_report(fn, w, x)
+      >>> [(r.primitive, r.rule.value, str(r.out_dtypes[0]), r.overflows) for r in report.rows]
+      [('dot_general', 'half', 'float16', 'result'), ('reduce_sum', 'float32', 'float32', '')]
+      >>> report.policy.float32_out[0].primitive
+      'dot_general'
+      >>> float(ls.autocast(fn, policy=report.policy)(w, x))
+      720000.0
     """
     cast = fn if isinstance(fn, Autocast) else autocast(fn)
-    rows: list[Row] = []
+    calls: list[Call] = []
 
     def record(pure_fn: Any, pure_args: Any, pure_kwargs: Any = None) -> Any:
-        cast.trace(Call(pure_fn, pure_args, pure_kwargs or {}), rows=rows)
+        calls.append(Call(pure_fn, pure_args, pure_kwargs or {}))
+        calls[-1].jaxpr()  # traced inside the framework's context (nnx's split and merge)
         raise _Recorded  # before anything runs, or writes into a module
 
     spy = Autocast(cast.fn, cast.dtype, cast.policy)
@@ -114,7 +175,37 @@ def autocast_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Autoca
         spy(*args, **kwargs)
     except _Recorded:
         pass
-    return AutocastReport(tuple(rows), cast.dtype)
+    (call,) = calls
+    closed, _ = call.jaxpr()
+    if any(isinstance(x, core.Tracer | jax.ShapeDtypeStruct) for x in call.arrays):
+        rows: dict[Any, Row] = {}
+        cast.trace(call, rows=rows)
+        return AutocastReport(tuple(rows.values()), cast.dtype, policy=cast.policy)
+    policy = cast.policy
+    first = rows = measure(context(cast.dtype, policy), closed, call.arrays)
+    for _ in range(MAX_PASSES):
+        float32, float32_out = _fixes(rows.values())
+        new = policy.extended(float32, float32_out)
+        if new == policy:
+            break
+        policy = new
+        rows = measure(context(cast.dtype, policy), closed, call.arrays)
+    unfixed = tuple(r for r in rows.values() if r.overflows)
+    return AutocastReport(tuple(first.values()), cast.dtype, measured=True, policy=policy,
+                          unfixed=unfixed)
+
+
+def _fixes(rows: Any) -> tuple[list[Site], list[Site]]:
+    """The sites that keep each overflowing row in float32: an overflowing input cast runs
+    the equation as written; an overflowing result runs it in float32 (a matmul with half
+    operands, float32 accumulation and result). A user's own cast is never changed."""
+    float32, float32_out = [], []
+    for row in rows:
+        if not row.overflows or row.rule is Rule.CONVERT:
+            continue
+        site = site_of(row.path, row.source, row.primitive)
+        (float32 if row.overflows == "input" else float32_out).append(site)
+    return float32, float32_out
 
 
 class _Recorded(Exception):

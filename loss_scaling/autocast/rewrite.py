@@ -46,6 +46,12 @@ class Row:
       flops: the FLOPs of one execution of a matmul or convolution, else 0.
       repeats: how often it runs per call (the product of the enclosing ``scan`` lengths).
       note: why a rule was not applied as tabled (a fallback), or ``""``.
+      max_abs: the largest magnitude among its floating results over every execution
+        (``None`` when the report did not run the program).
+      overflows: ``""``, or why the half dtype does not hold it: ``"result"`` (a half
+        result is inf or NaN while its operands are finite), ``"near max"`` (a half result
+        within :data:`HEADROOM_FACTOR` of the dtype's largest value) or ``"input"`` (a
+        float32 operand it casts to half overflows).
     """
 
     primitive: str
@@ -57,6 +63,13 @@ class Row:
     flops: int = 0
     repeats: int = 1
     note: str = ""
+    max_abs: float | None = None
+    overflows: str = ""
+
+
+HEADROOM_FACTOR = 4.0
+"""A half result larger than the dtype's largest value over this factor is flagged: other
+batches than the measured one must fit too (two bits of headroom: 16,376 in float16)."""
 
 
 Decide = Callable[[Any, str, Rule], Rule]
@@ -67,11 +80,16 @@ module path; :func:`source_of` gives its line)."""
 @dataclasses.dataclass
 class Context:
     """What one rewrite needs: the half dtype, the policy's choice per equation, and the
-    report's rows (``None`` when nobody asked for them)."""
+    report's rows (``None`` when nobody asked for them), one per equation and place.
+
+    ``eager`` holds the rules that run sub-programs on concrete values when the report
+    measures (``measure.py``); without it every sub-program is rewritten and staged.
+    """
 
     half: np.dtype
     decide: Decide
-    rows: list[Row] | None = None
+    rows: dict[Any, Row] | None = None
+    eager: dict[Rule, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +111,7 @@ class Scope:
     twins: dict[Any, Any] = dataclasses.field(default_factory=dict)  # var -> its half copy
     casts: dict[tuple[Any, Any], Any] = dataclasses.field(default_factory=dict)
     bound: Sequence[Any] = ()  # the operands the last equation was bound with (for its row)
+    cast_overflow: bool = False  # a cast to half of a finite value gave inf (when measuring)
 
     def read(self, atom: Any) -> Any:
         if isinstance(atom, core.Literal):
@@ -114,6 +133,8 @@ class Scope:
                 self.casts[key] = invariant_cast(value, twin)
             else:
                 self.casts[key] = lax.convert_element_type(value, dtype)
+            if self.ctx.eager is not None and dtype == self.ctx.half:
+                self.cast_overflow |= _overflowed(value, self.casts[key])
         return self.casts[key]
 
 
@@ -178,22 +199,67 @@ def interpret(scope: Scope, jaxpr: core.Jaxpr, consts: Sequence[Any],
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         path = _join(scope.path, str(eqn.source_info.name_stack))
         rule = rule_of(eqn.primitive.name)
-        if rule not in _STRUCTURAL and not _eligible(eqn):
+        if rule not in _NEVER_INELIGIBLE and not _eligible(eqn):
             rule = Rule.AS_WRITTEN
         rule = scope.ctx.decide(eqn, path, rule)
-        scope.bound = ()
+        scope.bound, scope.cast_overflow = (), False
+        apply = _APPLY[rule] if scope.ctx.eager is None else scope.ctx.eager.get(
+            rule, _APPLY[rule])
         with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
               eqn.ctx.manager):
-            outs, note = _APPLY[rule](scope, eqn, path)
+            outs, note = apply(scope, eqn, path)
         for var, out in zip(eqn.outvars, outs, strict=True):
             if not isinstance(var, core.DropVar):
                 scope.env[var] = out
         if scope.ctx.rows is not None and rule not in _STRUCTURAL:
-            scope.ctx.rows.append(Row(
-                eqn.primitive.name, rule, tuple(map(dtype_of, scope.bound)),
-                tuple(dtype_of(o) for o in outs), path, source_of(eqn),
-                _flops(eqn), scope.repeats, note))
+            _record(scope, eqn, rule, path, outs, note)
     return [_value(scope.read(v)) for v in jaxpr.outvars]
+
+
+def _record(scope: Scope, eqn: Any, rule: Rule, path: str, outs: Sequence[Any],
+            note: str) -> None:
+    """The equation's row (one per equation and place: a loop body's executions meet in
+    one row, with the largest magnitude over them when measuring)."""
+    rows = scope.ctx.rows
+    assert rows is not None
+    key = (id(eqn), path)
+    row = rows.get(key)
+    if row is None:
+        row = rows[key] = Row(eqn.primitive.name, rule, tuple(map(dtype_of, scope.bound)),
+                              tuple(dtype_of(o) for o in outs), path, source_of(eqn),
+                              _flops(eqn), scope.repeats, note)
+    if scope.ctx.eager is None:
+        return
+    floats = [o for o in outs if is_float(dtype_of(o)) and not isinstance(o, core.Tracer)]
+    if len(floats) < len([o for o in outs if is_float(dtype_of(o))]):
+        return  # staged (inside a shard_map): nothing to measure
+    arrays = [np.asarray(o, np.float32) for o in floats]
+    largest = max((float(np.max(np.abs(a), initial=0.0)) if np.isfinite(a).all() else np.inf
+                   for a in arrays), default=0.0)  # a NaN counts as past every bound
+    overflows = row.overflows or _overflow_reason(scope, outs, largest)
+    rows[key] = dataclasses.replace(row, max_abs=max(largest, row.max_abs or 0.0),
+                                    overflows=overflows)
+
+
+def _overflow_reason(scope: Scope, outs: Sequence[Any], largest: float) -> str:
+    half = scope.ctx.half
+    if scope.cast_overflow:
+        return "input"
+    halves = [np.asarray(o, np.float32) for o in outs if dtype_of(o) == half]
+    if not halves or not all(np.isfinite(np.asarray(b, np.float32)).all()
+                             for b in scope.bound if is_float(dtype_of(b))):
+        return ""
+    if not all(np.isfinite(h).all() for h in halves):
+        return "result"
+    return "near max" if largest > float(jnp.finfo(half).max) / HEADROOM_FACTOR else ""
+
+
+def _overflowed(value: Any, cast: Any) -> bool:
+    """Whether casting finite entries of ``value`` gave inf (concrete values only)."""
+    if isinstance(value, core.Tracer) or isinstance(cast, core.Tracer):
+        return False
+    before, after = np.asarray(value, np.float32), np.asarray(cast, np.float32)
+    return bool(np.any(np.isfinite(before) & ~np.isfinite(after)))
 
 
 # -- one function per rule: (scope, eqn, path) -> (outputs, note) ---------------------------
@@ -218,17 +284,18 @@ def _operands(scope: Scope, eqn: Any, dtype: Any) -> list[Any]:
             for a in eqn.invars]
 
 
-def _half(scope: Scope, eqn: Any, path: str, out: Any = None) -> tuple[list[Any], str]:
-    operands = _operands(scope, eqn, scope.ctx.half)
+def _half(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
     changes = {}
     if eqn.params.get("preferred_element_type") is not None:
-        changes["preferred_element_type"] = np.dtype(out or scope.ctx.half)
-    return _bind(scope, eqn, operands, **changes), ""
+        changes["preferred_element_type"] = scope.ctx.half
+    return _bind(scope, eqn, _operands(scope, eqn, scope.ctx.half), **changes), ""
 
 
 def _half_float32_out(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
-    outs, note = _half(scope, eqn, path, out=FLOAT32)
-    return [_convert(o, FLOAT32) for o in outs], note  # a matmul without the parameter
+    if "preferred_element_type" not in eqn.params:  # no float32 accumulation to ask for
+        return _float32(scope, eqn, path)
+    return _bind(scope, eqn, _operands(scope, eqn, scope.ctx.half),
+                 preferred_element_type=FLOAT32), ""
 
 
 def _float32(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
@@ -493,6 +560,7 @@ _APPLY: dict[Rule, Callable[[Scope, Any, str], tuple[list[Any], str]]] = {
     Rule.CUSTOM: _custom,
 }
 _STRUCTURAL = frozenset({Rule.CALL, Rule.LOOP, Rule.CUSTOM})  # rewritten inside, never as a whole
+_NEVER_INELIGIBLE = _STRUCTURAL | {Rule.CONVERT}  # a user's astype keeps its dtype, any dtype
 
 
 # -- helpers --------------------------------------------------------------------------------
