@@ -85,3 +85,9 @@ def test_the_page_quotes_the_benchmark_and_its_command():
     assert "benchmarks/autocast_cost.py" in text
     assert "benchmarks/results/cpu_autocast_cost.txt" in text
     assert (doc_blocks.ROOT / "benchmarks" / "results" / "cpu_autocast_cost.txt").is_file()
+
+
+def test_the_api_page_names_every_rule():
+    text = (doc_blocks.ROOT / "docs" / "api.md").read_text()
+    for rule in ls.AutocastRule:
+        assert f"`{rule.name}`" in text, rule
