@@ -30,9 +30,10 @@ class Hooks(NamedTuple):
         factory of its gradient function (``loss_scaling.value_and_grad``), or ``None``.
       owns: ``tree -> bool``: whether a pytree holds the framework's objects (modules that
         are not plain pytrees), or ``None``.
-      autocast: ``(fn, call_pure) -> f``: ``fn`` over the framework's objects, lifted onto
-        ``call_pure(pure_fn, args, kwargs)`` (``loss_scaling.autocast`` of pytrees), with
-        what ``fn`` writes into the objects written back; or ``None``.
+      autocast: ``call_pure -> f``: ``f(fn, *args, **kwargs)`` calls ``fn`` on the
+        framework's objects through ``call_pure(pure_fn, args, kwargs)``
+        (``loss_scaling.autocast`` of pytrees), and writes back what ``fn`` wrote into the
+        objects; or ``None``.
     """
 
     unwrap: Callable[[Any], Any] | None = None

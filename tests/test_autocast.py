@@ -76,7 +76,7 @@ def test_elementwise_ops_run_in_the_widest_operand_dtype() -> None:
         h = x @ w  # half
         return jnp.tanh(h) * 2.0, h + b, jnp.maximum(h, 0.0)
 
-    jaxpr = jax.make_jaxpr(ls.autocast(fn))(W, X, jnp.ones(3))
+    jaxpr = jax.make_jaxpr(ls.autocast(fn))(W, X, jnp.ones((2, 3)))
     (tanh,) = prims(jaxpr, "tanh")
     assert dtypes_in(tanh) == ["float16"]  # one operand keeps its dtype
     (mul,) = prims(jaxpr, "mul")
@@ -692,3 +692,126 @@ def test_reading_half_helper_sees_a_hand_cast_softmax() -> None:
     # the test's own walker, checked: a float16 softmax reads exp in float16
     jaxpr = jax.make_jaxpr(lambda x: jax.nn.softmax(x.astype(F16)))(X)
     assert reading_half(jaxpr, {"exp"})
+
+
+def test_a_weight_used_by_several_matmuls_is_cast_once() -> None:
+    def fn(w, x):
+        return jnp.sum(x @ w) + jnp.sum((2.0 * x) @ w) + jnp.sum(jnp.tanh(x) @ w)
+
+    jaxpr = jax.make_jaxpr(ls.autocast(fn))(W, X)
+    weight_casts = [e for e, _ in casts(jaxpr, "float32", "float16")
+                    if e.invars[0].aval.shape == W.shape]
+    assert len(weight_casts) == 1 and len(prims(jaxpr, "dot_general")) == 3
+
+
+@pytest.mark.parametrize("shape", [(3,), (1, 3)], ids=["broadcast", "size_1"])
+def test_a_bias_added_to_a_matmul_runs_in_half_and_its_gradient_sums_in_float32(
+        shape: tuple[int, ...]) -> None:
+    def fn(w, b, x):
+        return jnp.sum(jnp.tanh(x @ w + b))
+
+    b = jnp.linspace(0.1, 0.3, 3).reshape(shape)
+    jaxpr = jax.make_jaxpr(ls.autocast(fn))(W, b, X)
+    (add,) = prims(jaxpr, "add")
+    assert dtypes_in(add) == ["float16", "float16"]  # as torch's linear adds it
+    grad_jaxpr = jax.make_jaxpr(jax.grad(ls.autocast(fn), argnums=1))(W, b, X)
+    sums = [e for e in prims(grad_jaxpr, "reduce_sum") if e.outvars[0].aval.size == 3]
+    assert sums and all(dtypes_in(e) == ["float32"] for e in sums)
+    g = jax.grad(ls.autocast(fn), argnums=1)(W, b, X)
+    assert g.dtype == F32 and g.shape == shape
+    np.testing.assert_allclose(g, jax.grad(fn, argnums=1)(W, b, X), rtol=1e-2, atol=1e-3)
+
+
+def test_a_bias_that_is_not_a_vector_along_the_last_axis_meets_at_float32() -> None:
+    def fn(w, x, mask):
+        return (x @ w) + mask  # an additive mask of the result's own shape: float32
+
+    (add,) = prims(jax.make_jaxpr(ls.autocast(fn))(W, X, jnp.full((2, 3), -1e9)), "add")
+    assert dtypes_in(add) == ["float32", "float32"]
+    (add,) = prims(jax.make_jaxpr(ls.autocast(lambda w, x, c: (x @ w) + c))(
+        W, X, jnp.ones((2, 1))), "add")  # a column: broadcast along the first axis
+    assert dtypes_in(add) == ["float32", "float32"]
+
+
+# -- what a first user met (issue 39's docs pass) ----------------------------------------
+
+def test_a_module_itself_can_be_autocast() -> None:
+    linear = eqx.nn.Linear(4, 3, key=jax.random.key(0))
+    out = ls.autocast(linear)(X[0])
+    np.testing.assert_allclose(out, linear(X[0]), rtol=1e-2, atol=1e-2)
+    grads = jax.grad(lambda m: jnp.sum(ls.autocast(m)(X[0])))(linear)
+    assert grads.weight.dtype == F32
+    model, ref = _NnxNet(nnx.Rngs(0)), _NnxNet(nnx.Rngs(0))
+    np.testing.assert_allclose(ls.autocast(model)(X), ref(X), rtol=2e-2, atol=2e-2)
+    chex.assert_trees_all_equal(nnx.state(model, nnx.RngCount), nnx.state(ref, nnx.RngCount))
+
+
+def test_integer_equations_are_never_unknown() -> None:
+    model = _NnxNet(nnx.Rngs(0))  # Dropout draws bits: `or`, shifts on integers
+    report = ls.autocast_report(lambda m, x: m(x), model, X)
+    assert report.unknown == ()
+    assert {"shift_right_logical", "or"} <= {r.primitive for r in report.rows
+                                             if r.rule is Rule.AS_WRITTEN}
+
+
+def test_rows_inside_a_library_function_carry_the_users_line() -> None:
+    def fn(w, x):
+        return jax.nn.log_softmax(x @ w)  # the line every row points to
+
+    report = ls.autocast_report(fn, W, X)
+    line = fn.__code__.co_firstlineno + 1
+    assert {r.source for r in report.rows} == {f"{__file__}:{line}"}
+
+
+def test_a_policy_rule_never_reaches_code_the_user_wrote_in_a_16_bit_dtype() -> None:
+    policy = ls.AutocastPolicy(rules={"tanh": ls.AutocastRule.FLOAT32})
+    f = ls.autocast(lambda x: jnp.tanh(x.astype(BF16)) + jnp.tanh(x), policy=policy)
+    tanhs = prims(jax.make_jaxpr(f)(X), "tanh")
+    assert sorted(dtypes_in(t)[0] for t in tanhs) == ["bfloat16", "float32"]
+
+
+def test_a_custom_rule_that_cannot_be_rewritten_says_so_and_shows_no_half_rows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from loss_scaling.autocast import rewrite
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise KeyError("fwd_jaxpr_thunk")
+
+    monkeypatch.setattr(rewrite, "_pinned_thunk", broken)
+
+    @jax.custom_vjp
+    def linear(x, w):
+        return x @ w
+
+    linear.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
+    report = ls.autocast_report(lambda w, x: jnp.sum(linear(x, w)), W, X)
+    (custom,) = [r for r in report.rows if r.primitive == "custom_vjp_call"]
+    assert custom.rule is Rule.CUSTOM and "kept as written" in custom.note
+    assert [r.in_dtypes for r in report.rows if r.primitive == "dot_general"] == []
+    assert report.flops_by_dtype() == {}
+    np.testing.assert_allclose(ls.autocast(lambda w, x: jnp.sum(linear(x, w)))(W, X),
+                               jnp.sum(X @ W), rtol=1e-5)
+
+
+def test_policy_sites_that_name_nothing_are_listed_and_paths_drop_transformations() -> None:
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2, name="head")(x)
+
+    model = Mlp()
+    variables = model.init(jax.random.key(0), X)
+    policy = ls.AutocastPolicy(float32=("head", "Mlp/head"))
+    report = ls.autocast_report(ls.autocast(model.apply, policy=policy), variables, X)
+    assert [s.path for s in report.unmatched] == ["head"]
+    assert "policy sites that name no equation" in str(report)
+
+    def vmapped(w, x):
+        with jax.named_scope("head"):
+            return jax.vmap(lambda row: row @ w)(x)
+
+    (row,) = [r for r in ls.autocast_report(vmapped, W, X).rows if r.primitive == "dot_general"]
+    assert row.path == "head"
+    program = jax.make_jaxpr(ls.autocast(vmapped, policy=ls.AutocastPolicy(float32=("head",))))
+    (dot,) = prims(program(W, X), "dot_general")
+    assert dtypes_in(dot) == ["float32", "float32"]

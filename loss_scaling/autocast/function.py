@@ -55,7 +55,7 @@ def checked_policy(policy: Any) -> AutocastPolicy:
 
 
 def autocast(fn: Callable[..., Any], *, dtype: Any = jnp.float16,
-             policy: AutocastPolicy | None = None) -> Callable[..., Any]:
+             policy: AutocastPolicy | None = None) -> Autocast:
     """``fn``, a float32 function, computing in ``dtype`` where that is safe.
 
     The returned function has ``fn``'s signature and output structure. On its first call
@@ -128,15 +128,16 @@ class Autocast:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         for index, hooks in enumerate(_registry.hooks()):
             if hooks.owns is not None and hooks.autocast is not None and hooks.owns(
-                    (args, kwargs)):
+                    (self.fn, args, kwargs)):
                 if index not in self._lifted:
-                    self._lifted[index] = hooks.autocast(self.fn, self.call_pure)
-                return self._lifted[index](*args, **kwargs)
+                    self._lifted[index] = hooks.autocast(self.call_pure)
+                return self._lifted[index](self.fn, *args, **kwargs)
         return self.call_pure(self.fn, args, kwargs)
 
     def call_pure(self, fn: Callable[..., Any], args: tuple[Any, ...],
                   kwargs: dict[str, Any] | None = None) -> Any:
-        """``fn(*args, **kwargs)`` autocast, for arguments that are pytrees."""
+        """``fn(*args, **kwargs)`` autocast, for a function and arguments that are pytrees
+        (a function that is a pytree, an Equinox module, has its arrays traced too)."""
         call = Call(fn, args, kwargs or {})
         traced = self._traced.get(call.key)
         if traced is None:
@@ -149,7 +150,7 @@ class Autocast:
         """``call``'s autocast program (``rows``, when given, receive the report's rows)."""
         closed, out_tree = call.jaxpr()
         new = rewrite(closed, self.dtype, self.policy, rows)
-        name = f"autocast_{getattr(call.fn, '__name__', 'fn')}"
+        name = f"autocast_{getattr(call.fn, '__name__', type(call.fn).__name__)}"
 
         def run(*xs: Any) -> list[Any]:
             return core.eval_jaxpr(new.jaxpr, new.consts, *xs)
@@ -164,11 +165,11 @@ class Call:
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
         self.fn = fn
-        self.leaves, self.treedef = jax.tree.flatten((args, kwargs))
+        self.leaves, self.treedef = jax.tree.flatten((fn, args, kwargs))
         self.dynamic = [is_array(x) or isinstance(x, jax.ShapeDtypeStruct) for x in self.leaves]
         self.arrays = [x for x, d in zip(self.leaves, self.dynamic, strict=True) if d]
         self.avals = [_aval(x) for x in self.arrays]
-        self.key = (fn, self.treedef, tuple(
+        self.key = (self.treedef, tuple(
             None if d else _static_key(x) for x, d in zip(self.leaves, self.dynamic,
                                                           strict=True)), tuple(self.avals))
 
@@ -177,24 +178,25 @@ class Call:
         """The float32 program and its output tree; an error naming an output that is not
         an array. Traced in the current context with the arguments' own types (their
         sharding, and inside ``shard_map`` the axes they vary over)."""
-        fn, leaves, dynamic, treedef = self.fn, self.leaves, self.dynamic, self.treedef
+        leaves, dynamic, treedef = self.leaves, self.dynamic, self.treedef
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
         out_tree: list[Any] = []
 
         def flat(*xs: Any) -> list[Any]:
             it = iter(xs)
-            args, kwargs = jax.tree.unflatten(
+            fn, args, kwargs = jax.tree.unflatten(
                 treedef, [next(it) if d else x for x, d in zip(leaves, dynamic, strict=True)])
             out = fn(*args, **kwargs)
             for path, leaf in jax.tree_util.tree_leaves_with_path(out):
                 if not isinstance(leaf, core.Tracer) and not is_array(leaf):
                     raise TypeError(NOT_AN_ARRAY.format(
-                        name=getattr(fn, "__name__", "fn"), what=_describe(leaf),
+                        name=name, what=_describe(leaf),
                         path=jax.tree_util.keystr(path) or "(the result)"))
             outs, tree = jax.tree.flatten(out)
             out_tree.append(tree)
             return outs
 
-        debug = api_util.debug_info("ls.autocast", fn, (*self.avals,), {})
+        debug = api_util.debug_info("ls.autocast", flat, (*self.avals,), {})
         jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(flat, debug_info=debug),
                                                      self.avals)
         return core.ClosedJaxpr(jaxpr, consts), out_tree[0]
@@ -206,10 +208,11 @@ def _aval(x: Any) -> Any:
     return core.typeof(x)
 
 
-def context(dtype: Any, policy: AutocastPolicy,
-            rows: dict[Any, Row] | None = None) -> Context:
-    """The rewrite's context for a half dtype and a policy."""
-    return Context(np.dtype(dtype), policy.decide, rows)
+def context(dtype: Any, policy: AutocastPolicy, rows: dict[Any, Row] | None = None,
+            matched: set[Any] | None = None) -> Context:
+    """The rewrite's context for a half dtype and a policy (``matched`` receives the
+    policy's sites that named an equation)."""
+    return Context(np.dtype(dtype), functools.partial(policy.decide, matched=matched), rows)
 
 
 def rewrite(closed: core.ClosedJaxpr, dtype: np.dtype, policy: AutocastPolicy,

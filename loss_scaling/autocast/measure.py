@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax._src import core
 
 from loss_scaling.autocast import rewrite
-from loss_scaling.autocast.rewrite import Context, Row, Scope, interpret
+from loss_scaling.autocast.rewrite import Context, Place, Row, Scope, interpret
 from loss_scaling.autocast.rules import Rule
 
 
@@ -26,7 +26,7 @@ def measure(ctx: Context, closed: core.ClosedJaxpr, args: Sequence[Any]) -> dict
     """Runs ``closed`` (a float32 program) on ``args`` under ``ctx``'s rules, eagerly;
     returns its rows, measured."""
     ctx = dataclasses.replace(ctx, rows={}, eager=EAGER)
-    interpret(Scope(ctx, "", 1), closed.jaxpr, closed.consts, list(args))
+    interpret(Scope(ctx, Place()), closed.jaxpr, closed.consts, list(args))
     assert ctx.rows is not None
     return ctx.rows
 
@@ -41,18 +41,19 @@ def _inner(closed_or_open: Any) -> tuple[Any, Sequence[Any]]:
     return closed_or_open, ()
 
 
-def _call(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+def _call(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
     name = eqn.primitive.name
     if name == "shard_map":
-        return rewrite._call(scope, eqn, path)
+        return rewrite._call(scope, eqn, place)
     if name == "cond":
-        return _cond(scope, eqn, path), ""
+        return _cond(scope, eqn, place), ""
     jaxpr, consts = _inner(eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")))
-    return interpret(Scope(scope.ctx, path, scope.repeats), jaxpr, consts,
-                     _operands(scope, eqn)), ""
+    if name in ("jit", "pjit") and rewrite.is_library(jaxpr.debug_info):
+        place = dataclasses.replace(place, holds_library=True)
+    return interpret(Scope(scope.ctx, place), jaxpr, consts, _operands(scope, eqn)), ""
 
 
-def _cond(scope: Scope, eqn: Any, path: str) -> list[Any]:
+def _cond(scope: Scope, eqn: Any, place: Place) -> list[Any]:
     index, *operands = _operands(scope, eqn)
     branches = eqn.params["branches"]
     # the dtypes the staged program gives the results: the widest over the branches
@@ -63,19 +64,19 @@ def _cond(scope: Scope, eqn: Any, path: str) -> list[Any]:
     target = [rewrite.FLOAT32 if rewrite.FLOAT32 in column else column[0]
               for column in zip(*outs, strict=True)]
     taken = branches[int(jnp.clip(index, 0, len(branches) - 1))]
-    values = interpret(Scope(scope.ctx, path, scope.repeats), taken.jaxpr, taken.consts, operands)
+    values = interpret(Scope(scope.ctx, place), taken.jaxpr, taken.consts, operands)
     return [rewrite._convert(v, d) for v, d in zip(values, target, strict=True)]
 
 
-def _loop(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
-    return (_scan if eqn.primitive.name == "scan" else _while)(scope, eqn, path), ""
+def _loop(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
+    return (_scan if eqn.primitive.name == "scan" else _while)(scope, eqn, place), ""
 
 
-def _scan(scope: Scope, eqn: Any, path: str) -> list[Any]:
+def _scan(scope: Scope, eqn: Any, place: Place) -> list[Any]:
     p = eqn.params
     n_consts, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
     if length == 0:
-        return rewrite._scan(scope, eqn, path)
+        return rewrite._scan(scope, eqn, place)
     operands = _operands(scope, eqn)
     consts, xs = operands[:n_consts], operands[n_consts + n_carry:]
     pinned = [a.aval.dtype for a in eqn.invars[n_consts:n_consts + n_carry]]
@@ -83,8 +84,9 @@ def _scan(scope: Scope, eqn: Any, path: str) -> list[Any]:
              for v, d in zip(operands[n_consts:n_consts + n_carry], pinned, strict=True)]
     body = p["jaxpr"]
     ys: list[list[Any]] = []
+    inner = dataclasses.replace(place, repeats=place.repeats * length)
     for i in range(length - 1, -1, -1) if p["reverse"] else range(length):
-        outs = interpret(Scope(scope.ctx, path, scope.repeats * length), body.jaxpr,
+        outs = interpret(Scope(scope.ctx, inner), body.jaxpr,
                          body.consts, [*consts, *carry, *(x[i] for x in xs)])
         carry = [rewrite._convert(v, d) for v, d in zip(outs[:n_carry], pinned, strict=True)]
         ys.append(outs[n_carry:])
@@ -93,7 +95,7 @@ def _scan(scope: Scope, eqn: Any, path: str) -> list[Any]:
     return [*carry, *(jnp.stack(column) for column in zip(*ys, strict=True))]
 
 
-def _while(scope: Scope, eqn: Any, path: str) -> list[Any]:
+def _while(scope: Scope, eqn: Any, place: Place) -> list[Any]:
     p = eqn.params
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     operands = _operands(scope, eqn)
@@ -101,20 +103,26 @@ def _while(scope: Scope, eqn: Any, path: str) -> list[Any]:
     carry = [rewrite._convert(v, d) for v, d in zip(operands[nc + nb:], pinned, strict=True)]
     cond, body = p["cond_jaxpr"], p["body_jaxpr"]
     while True:
-        (go,) = interpret(Scope(scope.ctx, path, scope.repeats), cond.jaxpr, cond.consts,
+        (go,) = interpret(Scope(scope.ctx, place), cond.jaxpr, cond.consts,
                           [*operands[:nc], *carry])
         if not bool(go):
             return carry
-        outs = interpret(Scope(scope.ctx, path, scope.repeats), body.jaxpr, body.consts,
+        outs = interpret(Scope(scope.ctx, place), body.jaxpr, body.consts,
                          [*operands[nc:nc + nb], *carry])
         carry = [rewrite._convert(v, d) for v, d in zip(outs, pinned, strict=True)]
 
 
-def _custom(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
-    """The primal function of a custom rule, its boundary in the author's dtypes."""
+def _custom(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
+    """The primal function of a custom rule, its boundary in the author's dtypes (as
+    written, when the staged program keeps it as written)."""
+    try:
+        rewrite.custom_params(dataclasses.replace(scope.ctx, rows=None, eager=None), eqn,
+                              place, record=False)
+    except (KeyError, TypeError, AttributeError) as error:
+        return rewrite._as_written(scope, eqn, place)[0], rewrite.kept_as_written(error)
     operands = [rewrite._as_original(scope, a) for a in eqn.invars]
     closed = eqn.params["call_jaxpr"]
-    outs = interpret(Scope(scope.ctx, path, scope.repeats), closed.jaxpr, closed.consts,
+    outs = interpret(Scope(scope.ctx, place), closed.jaxpr, closed.consts,
                      operands)
     return [rewrite._convert(o, v.aval.dtype) for o, v in zip(outs, eqn.outvars,
                                                                strict=True)], ""

@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from loss_scaling.autocast.rewrite import source_of
+from loss_scaling.autocast.rewrite import Place
 from loss_scaling.autocast.rules import RULES, Rule
 
 
@@ -59,8 +59,9 @@ class Site(NamedTuple):
         return True
 
 
-BAD_SITE = ("a policy site must be a module path ('Model/block_0/mlp'), a source line "
-            "('model.py:42') or an ls.autocast_policy.Site, got {value}")
+BAD_SITE = ("a policy site must be a module path ('Model/block_0/mlp', as the report's "
+            "'module path' column shows it), a source line ('model.py:42') or a "
+            "loss_scaling.autocast.Site, got {value}")
 BAD_RULE = ("AutocastPolicy(rules=...) maps primitive names to ls.AutocastRule values, got "
             "{key!r}: {value!r}")
 
@@ -105,18 +106,27 @@ class AutocastPolicy:
         return hash((self.float32, self.float32_out, tuple(sorted(
             (k, v.value) for k, v in self.rules.items()))))
 
-    def decide(self, eqn: Any, path: str, rule: Rule) -> Rule:
-        """The rule for one equation: the table's, unless this policy names it."""
+    def decide(self, eqn: Any, place: Place, rule: Rule, matched: set[Site] | None = None
+               ) -> Rule:
+        """The rule for one float32 equation: the table's, unless this policy names it
+        (the sites that name it are added to ``matched``)."""
         name = eqn.primitive.name
         rule = self.rules.get(name, rule)
         if rule in (Rule.CALL, Rule.LOOP, Rule.CUSTOM) or not (self.float32 or self.float32_out):
             return rule
-        source = source_of(eqn)
-        if any(s.matches(path, source, name) for s in self.float32):
+        hits = [s for s in self.float32 if s.matches(place.path, place.source, name)]
+        outs = [s for s in self.float32_out if s.matches(place.path, place.source, name)]
+        if matched is not None:
+            matched.update(hits, outs)
+        if hits:
             return Rule.AS_WRITTEN
-        if any(s.matches(path, source, name) for s in self.float32_out):
+        if outs:
             return Rule.HALF_FLOAT32_OUT if RULES.get(name) is Rule.HALF else Rule.FLOAT32
         return rule
+
+    def sites(self) -> tuple[Site, ...]:
+        """Every site this policy names."""
+        return (*self.float32, *self.float32_out)
 
     @property
     def is_default(self) -> bool:

@@ -15,7 +15,7 @@ from jax._src import core
 from loss_scaling.autocast.function import Autocast, Call, autocast, context
 from loss_scaling.autocast.measure import measure
 from loss_scaling.autocast.policy import AutocastPolicy, Site, site_of
-from loss_scaling.autocast.rewrite import HEADROOM_FACTOR, Row
+from loss_scaling.autocast.rewrite import HEADROOM_FACTOR, Row, rewrite_closed
 from loss_scaling.autocast.rules import Rule
 
 __all__ = ["AutocastReport", "autocast_report"]
@@ -38,6 +38,8 @@ class AutocastReport:
         nothing does): pass it to :func:`loss_scaling.autocast` as ``policy=``.
       unfixed: rows that still overflow under ``policy`` (a user's own ``astype`` to half
         is never changed).
+      unmatched: the sites of the function's own policy that name no equation here (a
+        module path is matched from its start: copy it from the table).
     """
 
     rows: tuple[Row, ...]
@@ -45,6 +47,7 @@ class AutocastReport:
     measured: bool = False
     policy: AutocastPolicy = dataclasses.field(default_factory=AutocastPolicy)
     unfixed: tuple[Row, ...] = ()
+    unmatched: tuple[Site, ...] = ()
 
     @property
     def overflows(self) -> tuple[Row, ...]:
@@ -89,6 +92,9 @@ class AutocastReport:
         if self.unknown:
             lines.append(f"unknown primitives (run as written): "
                          f"{', '.join(sorted({r.primitive for r in self.unknown}))}")
+        if self.unmatched:
+            lines.append("policy sites that name no equation (paths are matched from their "
+                         "start, e.g. 'Model/head'): " + ", ".join(map(str, self.unmatched)))
         if self.measured:
             limit = float(np.finfo(self.dtype).max) if self.dtype != np.dtype("bfloat16") else (
                 3.39e38)
@@ -169,20 +175,24 @@ def autocast_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Autoca
         calls[-1].jaxpr()  # traced inside the framework's context (nnx's split and merge)
         raise _Recorded  # before anything runs, or writes into a module
 
-    spy = Autocast(cast.fn, cast.dtype, cast.policy)
-    spy.call_pure = record  # type: ignore[method-assign]
+    spy = Autocast(cast.fn, cast.dtype, cast.policy)  # its own cache, its call_pure
+    spy.call_pure = record  # type: ignore[method-assign,assignment]
     try:
         spy(*args, **kwargs)
     except _Recorded:
         pass
     (call,) = calls
     closed, _ = call.jaxpr()
+    matched: set[Site] = set()
+    given = context(cast.dtype, cast.policy, matched=matched)
+    unmatched = lambda: tuple(s for s in cast.policy.sites() if s not in matched)  # noqa: E731
     if any(isinstance(x, core.Tracer | jax.ShapeDtypeStruct) for x in call.arrays):
         rows: dict[Any, Row] = {}
-        cast.trace(call, rows=rows)
-        return AutocastReport(tuple(rows.values()), cast.dtype, policy=cast.policy)
+        rewrite_closed(dataclasses.replace(given, rows=rows), closed, closed.in_avals)
+        return AutocastReport(tuple(rows.values()), cast.dtype, policy=cast.policy,
+                              unmatched=unmatched())
     policy = cast.policy
-    first = rows = measure(context(cast.dtype, policy), closed, call.arrays)
+    first = rows = measure(given, closed, call.arrays)
     for _ in range(MAX_PASSES):
         float32, float32_out = _fixes(rows.values())
         new = policy.extended(float32, float32_out)
@@ -192,14 +202,15 @@ def autocast_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Autoca
         rows = measure(context(cast.dtype, policy), closed, call.arrays)
     unfixed = tuple(r for r in rows.values() if r.overflows)
     return AutocastReport(tuple(first.values()), cast.dtype, measured=True, policy=policy,
-                          unfixed=unfixed)
+                          unfixed=unfixed, unmatched=unmatched())
 
 
 def _fixes(rows: Any) -> tuple[list[Site], list[Site]]:
     """The sites that keep each overflowing row in float32: an overflowing input cast runs
     the equation as written; an overflowing result runs it in float32 (a matmul with half
     operands, float32 accumulation and result). A user's own cast is never changed."""
-    float32, float32_out = [], []
+    float32: list[Site] = []
+    float32_out: list[Site] = []
     for row in rows:
         if not row.overflows or row.rule is Rule.CONVERT:
             continue

@@ -72,9 +72,44 @@ HEADROOM_FACTOR = 4.0
 batches than the measured one must fit too (two bits of headroom: 16,376 in float16)."""
 
 
-Decide = Callable[[Any, str, Rule], Rule]
-"""``(eqn, path, tabled_rule) -> rule``: a policy's choice for one equation (``path``: its
-module path; :func:`source_of` gives its line)."""
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where an equation is in the user's code, and how often it runs per call.
+
+    Attributes:
+      path: its module path or named scopes (``"LM/block_0/wo"``; transformations such as
+        ``vmap(...)`` are not part of it).
+      repeats: how often it runs per call (the product of the enclosing ``scan`` lengths).
+      eqn: the equation (``None`` for the program itself).
+      outer: the place of the equation whose sub-program holds this one.
+      library: whether its code is a library's (inside a ``jit`` of ``jax.nn``, flax): then
+        its :attr:`source` is where the user called the library.
+      holds_library: whether the sub-program it holds is a library's.
+    """
+
+    path: str = ""
+    repeats: int = 1
+    eqn: Any = None
+    outer: Place | None = None
+    library: bool = False
+    holds_library: bool = False
+
+    @functools.cached_property
+    def source(self) -> str | None:
+        """``file:line`` of the user's code that wrote it: its own line when that is the
+        user's, else the enclosing equation's."""
+        own = None if self.eqn is None or self.library else source_of(self.eqn)
+        return own or (self.outer.source if self.outer is not None else None)
+
+    def of(self, eqn: Any) -> Place:
+        """The place of ``eqn``, an equation of the sub-program this place holds."""
+        inside = self.library or self.holds_library
+        return Place(_join(self.path, scope_names(eqn.source_info.name_stack)), self.repeats,
+                     eqn, self, library=inside, holds_library=inside)
+
+
+Decide = Callable[[Any, Place, Rule], Rule]
+"""``(eqn, place, tabled_rule) -> rule``: a policy's choice for one equation."""
 
 
 @dataclasses.dataclass
@@ -105,11 +140,12 @@ class Scope:
     """One jaxpr being interpreted: its variables' values and casts already made."""
 
     ctx: Context
-    path: str
-    repeats: int
+    place: Place  # of the equation whose sub-program this is
     env: dict[Any, Any] = dataclasses.field(default_factory=dict)
     twins: dict[Any, Any] = dataclasses.field(default_factory=dict)  # var -> its half copy
     casts: dict[tuple[Any, Any], Any] = dataclasses.field(default_factory=dict)
+    producers: dict[Any, Any] = dataclasses.field(default_factory=dict)  # var -> its eqn
+    matmul_results: set[Any] = dataclasses.field(default_factory=set)  # of half matmuls
     bound: Sequence[Any] = ()  # the operands the last equation was bound with (for its row)
     cast_overflow: bool = False  # a cast to half of a finite value gave inf (when measuring)
 
@@ -141,7 +177,7 @@ class Scope:
 # -- the rewrite --------------------------------------------------------------------------
 
 def rewrite_closed(ctx: Context, closed: core.ClosedJaxpr, in_avals: Sequence[Any], *,
-                   path: str = "", repeats: int = 1, twins: Sequence[bool] = (),
+                   place: Place | None = None, twins: Sequence[bool] = (),
                    pin_out: Sequence[Any] | None = None, name: str = "autocast"
                    ) -> tuple[core.ClosedJaxpr, list[bool]]:
     """``closed`` rewritten for operands of ``in_avals``.
@@ -158,7 +194,7 @@ def rewrite_closed(ctx: Context, closed: core.ClosedJaxpr, in_avals: Sequence[An
 
     def run(*flat: Any) -> list[Any]:
         args, copies = flat[:n], flat[n:]
-        scope = Scope(ctx, path, repeats)
+        scope = Scope(ctx, place or Place())
         scope.twins = {closed.jaxpr.invars[i]: c for i, c in zip(twin_of, copies, strict=True)}
         outs = interpret(scope, closed.jaxpr, closed.consts, args)
         if pin_out is not None:
@@ -197,37 +233,41 @@ def interpret(scope: Scope, jaxpr: core.Jaxpr, consts: Sequence[Any],
     scope.env.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        path = _join(scope.path, str(eqn.source_info.name_stack))
+        place = scope.place.of(eqn)
         rule = rule_of(eqn.primitive.name)
-        if rule not in _NEVER_INELIGIBLE and not _eligible(eqn):
-            rule = Rule.AS_WRITTEN
-        rule = scope.ctx.decide(eqn, path, rule)
+        if rule not in _STRUCTURAL and not _floating(eqn):
+            rule = Rule.AS_WRITTEN  # integers, bools, keys: nothing to decide
+        elif rule in _STRUCTURAL or rule is Rule.CONVERT or _eligible(eqn):
+            rule = scope.ctx.decide(eqn, place, rule)
+        else:
+            rule = Rule.AS_WRITTEN  # float64, complex, the user's own 16-bit code
         scope.bound, scope.cast_overflow = (), False
         apply = _APPLY[rule] if scope.ctx.eager is None else scope.ctx.eager.get(
             rule, _APPLY[rule])
         with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
               eqn.ctx.manager):
-            outs, note = apply(scope, eqn, path)
+            outs, note = apply(scope, eqn, place)
         for var, out in zip(eqn.outvars, outs, strict=True):
             if not isinstance(var, core.DropVar):
                 scope.env[var] = out
-        if scope.ctx.rows is not None and rule not in _STRUCTURAL:
-            _record(scope, eqn, rule, path, outs, note)
+                scope.producers[var] = eqn
+        if scope.ctx.rows is not None and (rule not in _STRUCTURAL or note):
+            _record(scope, eqn, rule, place, outs, note)
     return [_value(scope.read(v)) for v in jaxpr.outvars]
 
 
-def _record(scope: Scope, eqn: Any, rule: Rule, path: str, outs: Sequence[Any],
+def _record(scope: Scope, eqn: Any, rule: Rule, place: Place, outs: Sequence[Any],
             note: str) -> None:
     """The equation's row (one per equation and place: a loop body's executions meet in
     one row, with the largest magnitude over them when measuring)."""
     rows = scope.ctx.rows
     assert rows is not None
-    key = (id(eqn), path)
+    key = (id(eqn), place.path)
     row = rows.get(key)
     if row is None:
         row = rows[key] = Row(eqn.primitive.name, rule, tuple(map(dtype_of, scope.bound)),
-                              tuple(dtype_of(o) for o in outs), path, source_of(eqn),
-                              _flops(eqn), scope.repeats, note)
+                              tuple(dtype_of(o) for o in outs), place.path, place.source,
+                              _flops(eqn), place.repeats, note)
     if scope.ctx.eager is None:
         return
     floats = [o for o in outs if is_float(dtype_of(o)) and not isinstance(o, core.Tracer)]
@@ -274,7 +314,7 @@ def _bind_params(eqn: Any, operands: Sequence[Any], params: dict[str, Any]) -> l
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _as_written(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+def _as_written(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
     return _bind(scope, eqn, [_as_original(scope, a) for a in eqn.invars]), ""
 
 
@@ -284,25 +324,26 @@ def _operands(scope: Scope, eqn: Any, dtype: Any) -> list[Any]:
             for a in eqn.invars]
 
 
-def _half(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+def _half(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
     changes = {}
     if eqn.params.get("preferred_element_type") is not None:
         changes["preferred_element_type"] = scope.ctx.half
+    scope.matmul_results.update(eqn.outvars)
     return _bind(scope, eqn, _operands(scope, eqn, scope.ctx.half), **changes), ""
 
 
-def _half_float32_out(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+def _half_float32_out(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
     if "preferred_element_type" not in eqn.params:  # no float32 accumulation to ask for
-        return _float32(scope, eqn, path)
+        return _float32(scope, eqn, place)
     return _bind(scope, eqn, _operands(scope, eqn, scope.ctx.half),
                  preferred_element_type=FLOAT32), ""
 
 
-def _float32(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+def _float32(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
     return _bind(scope, eqn, _operands(scope, eqn, FLOAT32)), ""
 
 
-def _widest(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+def _widest(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
     target = None  # literals follow the variables, unless the half dtype cannot hold them
     literal_fits = True
     for atom in eqn.invars:
@@ -314,13 +355,52 @@ def _widest(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
         elif target is None or dtype_of(value) == FLOAT32:
             target = dtype_of(value)
     if target is None:  # no variable: a constant of the program, as written
-        return _as_written(scope, eqn, path)
+        return _as_written(scope, eqn, place)
     if not literal_fits:
         target = FLOAT32
+    elif target == FLOAT32 and (bias := _bias_of(scope, eqn)) is not None:
+        return _bind(scope, eqn, _with_half_bias(scope, eqn, bias)), ""
     return _bind(scope, eqn, _operands(scope, eqn, target)), ""
 
 
-def _each(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+def _bias_of(scope: Scope, eqn: Any) -> int | None:
+    """Which operand of ``eqn`` is a float32 bias added to a half matmul result, if one
+    is: torch's ``linear`` (``addmm``) adds its bias in half, and so does autocast. A bias
+    is a vector along the last axis (broadcast, or of size 1 elsewhere)."""
+    if eqn.primitive.name not in ("add", "sub") or len(eqn.invars) != 2 or any(
+            isinstance(a, core.Literal) for a in eqn.invars):
+        return None
+    out = eqn.outvars[0].aval.shape
+    for i, (matmul, bias) in enumerate((eqn.invars[::-1], eqn.invars)):
+        if matmul not in scope.matmul_results or dtype_of(scope.read(matmul)) != scope.ctx.half:
+            continue
+        producer = scope.producers.get(bias)
+        if producer is not None and producer.primitive.name == "broadcast_in_dim":
+            source = producer.invars[0].aval.shape
+            dims = producer.params["broadcast_dimensions"]
+            wide = [d for d, n in zip(dims, source, strict=True) if n != 1]
+        else:
+            shape = bias.aval.shape
+            wide = [d for d, n in enumerate(shape) if n != 1] if len(shape) == len(out) else []
+        if out and wide == [len(out) - 1]:
+            return i
+    return None
+
+
+def _with_half_bias(scope: Scope, eqn: Any, index: int) -> list[Any]:
+    """The operands of a matmul's bias add, both half; the bias broadcast first, so that
+    the transpose sums its gradient over the batch in float32, then cast."""
+    operands = [_value(scope.read(a)) for a in eqn.invars]
+    bias, shape = eqn.invars[index], eqn.outvars[0].aval.shape
+    if bias.aval.shape == shape:
+        operands[index] = scope.cast(bias, scope.ctx.half)
+    else:
+        full = lax.broadcast_in_dim(operands[index], shape, tuple(range(len(shape))))
+        operands[index] = lax.convert_element_type(full, scope.ctx.half)
+    return operands
+
+
+def _each(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
     return _bind(scope, eqn, [_value(scope.read(a)) for a in eqn.invars]), ""
 
 
@@ -331,24 +411,26 @@ def _convert(value: Any, dtype: Any) -> Any:
     return lax.convert_element_type(value, dtype)
 
 
-def _user_convert(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+def _user_convert(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
     return _bind(scope, eqn, [_value(scope.read(eqn.invars[0]))]), ""
 
 
-def _call(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+def _call(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
     """``jit``, ``checkpoint``, ``closed_call``, ``shard_map``, ``cond``."""
     name = eqn.primitive.name
     if name == "cond":
-        return _cond(scope, eqn, path), ""
+        return _cond(scope, eqn, place), ""
     if name == "shard_map":
-        return _shard_map(scope, eqn, path), ""
+        return _shard_map(scope, eqn, place), ""
     key = "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
     inner = eqn.params[key]
     closed = inner if isinstance(inner, core.ClosedJaxpr) else core.ClosedJaxpr(inner, ())
     operands = [_value(scope.read(a)) for a in eqn.invars]
     offer = [] if name in ("jit", "pjit") else _passes_twins(scope, eqn.invars)
-    new, used = rewrite_closed(scope.ctx, closed, [_aval(o) for o in operands], path=path,
-                               repeats=scope.repeats, twins=offer)
+    if name in ("jit", "pjit") and is_library(closed.jaxpr.debug_info):
+        place = dataclasses.replace(place, holds_library=True)
+    new, used = rewrite_closed(scope.ctx, closed, [_aval(o) for o in operands], place=place,
+                               twins=offer)
     copies = _copies(scope, eqn.invars, used)
     if isinstance(inner, core.ClosedJaxpr) and not copies:
         return _bind(scope, eqn, operands, **{key: new}), ""
@@ -359,13 +441,13 @@ def _call(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
     return _bind(scope, eqn, [*new.consts, *operands, *copies], **changes), ""
 
 
-def _cond(scope: Scope, eqn: Any, path: str) -> list[Any]:
+def _cond(scope: Scope, eqn: Any, place: Place) -> list[Any]:
     index, *operands = [_value(scope.read(a)) for a in eqn.invars]
     atoms = eqn.invars[1:]
     offer = _passes_twins(scope, atoms)
     avals = [_aval(o) for o in operands]
-    rewrite = functools.partial(rewrite_closed, scope.ctx, in_avals=avals, path=path,
-                                repeats=scope.repeats, twins=offer)
+    rewrite = functools.partial(rewrite_closed, scope.ctx, in_avals=avals, place=place,
+                                twins=offer)
     branches = [rewrite(b) for b in eqn.params["branches"]]
     outs = [[dtype_of_aval(v.aval) for v in b.jaxpr.outvars] for b, _ in branches]
     target = [FLOAT32 if FLOAT32 in column else column[0] for column in zip(*outs, strict=True)]
@@ -393,16 +475,15 @@ def _cond(scope: Scope, eqn: Any, path: str) -> list[Any]:
     return _bind(scope, eqn, [index, *consts, *operands, *copies], branches=tuple(jaxprs))
 
 
-def _shard_map(scope: Scope, eqn: Any, path: str) -> list[Any]:
+def _shard_map(scope: Scope, eqn: Any, place: Place) -> list[Any]:
     """Rewritten while ``shard_map`` traces its body (its axes and mesh in context)."""
     params = eqn.primitive.get_bind_params(eqn.params)
     del params["subfuns"]
     jaxpr = eqn.params["jaxpr"]
-    ctx, repeats = scope.ctx, scope.repeats
+    ctx = scope.ctx
 
     def rewritten(*args: Any) -> Any:
-        inner = Scope(ctx, path, repeats)
-        return _flat_tree(interpret(inner, jaxpr, (), args), eqn)
+        return _flat_tree(interpret(Scope(ctx, place), jaxpr, (), args), eqn)
 
     out = eqn.primitive.bind(*[_value(scope.read(a)) for a in eqn.invars],
                              subfuns=(rewritten,), **params)
@@ -415,11 +496,11 @@ def _flat_tree(outs: list[Any], eqn: Any) -> Any:
     return FlatTree.flatten(outs).with_aux(eqn.params["out_specs"])
 
 
-def _loop(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
-    return (_scan if eqn.primitive.name == "scan" else _while)(scope, eqn, path), ""
+def _loop(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
+    return (_scan if eqn.primitive.name == "scan" else _while)(scope, eqn, place), ""
 
 
-def _scan(scope: Scope, eqn: Any, path: str) -> list[Any]:
+def _scan(scope: Scope, eqn: Any, place: Place) -> list[Any]:
     p = eqn.params
     n_consts, n_carry = p["num_consts"], p["num_carry"]
     atoms = eqn.invars
@@ -431,8 +512,9 @@ def _scan(scope: Scope, eqn: Any, path: str) -> list[Any]:
                                                               strict=True)]
     offer = [*_offers(scope, atoms[:n_consts]), *[False] * (len(atoms) - n_consts)]
     pin = [v.aval.dtype for v in body.jaxpr.outvars[:n_carry]]
-    new, used = rewrite_closed(scope.ctx, body, avals, path=path,
-                               repeats=scope.repeats * int(p["length"]), twins=offer,
+    new, used = rewrite_closed(scope.ctx, body, avals, twins=offer,
+                               place=dataclasses.replace(place, repeats=place.repeats * int(
+                                   p["length"])),
                                pin_out=[*pin, *[None] * (len(body.jaxpr.outvars) - n_carry)])
     copies = _copies(scope, atoms, used)
     jaxpr = _twins_after(pe.convert_constvars_jaxpr(new.jaxpr), len(new.consts) + n_consts,
@@ -443,7 +525,7 @@ def _scan(scope: Scope, eqn: Any, path: str) -> list[Any]:
                  num_consts=len(new.consts) + n_consts + len(copies), **changes)
 
 
-def _while(scope: Scope, eqn: Any, path: str) -> list[Any]:
+def _while(scope: Scope, eqn: Any, place: Place) -> list[Any]:
     p = eqn.params
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     atoms = eqn.invars
@@ -456,8 +538,8 @@ def _while(scope: Scope, eqn: Any, path: str) -> list[Any]:
         const_atoms = atoms[consts]
         avals = [_aval(o) for o in operands[consts]] + carry_avals
         offer = [*_offers(scope, const_atoms), *[False] * len(carry_avals)]
-        new, used = rewrite_closed(scope.ctx, closed, avals, path=path, repeats=scope.repeats,
-                                   twins=offer, pin_out=pin)
+        new, used = rewrite_closed(scope.ctx, closed, avals, place=place, twins=offer,
+                                   pin_out=pin)
         copies = _copies(scope, const_atoms, used[:len(const_atoms)])
         k = len(new.consts) + len(const_atoms)
         jaxpr = _twins_after(pe.convert_constvars_jaxpr(new.jaxpr), k, len(copies))
@@ -479,34 +561,50 @@ def _twins_after(jaxpr: core.Jaxpr, at: int, n: int) -> core.Jaxpr:
     return jaxpr.replace(invars=[*rest[:at], *twins, *rest[at:]])
 
 
-def _custom(scope: Scope, eqn: Any, path: str) -> tuple[list[Any], str]:
+def _custom(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
     """A custom rule: the author's rule kept, its boundary in the dtypes it was written for,
     the code inside (primal function and rule) rewritten like the rest."""
-    operands = [_as_original(scope, a) for a in eqn.invars]
+    rows_before = None if scope.ctx.rows is None else dict(scope.ctx.rows)
+    try:
+        params = custom_params(scope.ctx, eqn, place)
+    except (KeyError, TypeError, AttributeError) as error:
+        # another JAX's parameters: the rule runs as written (its row says so, and the
+        # rows of its inside, which does not run as rewritten, are gone)
+        if rows_before is not None and scope.ctx.rows is not None:
+            scope.ctx.rows.clear()
+            scope.ctx.rows.update(rows_before)
+        return _as_written(scope, eqn, place)[0], kept_as_written(error)
+    outs = _bind_params(eqn, [_as_original(scope, a) for a in eqn.invars], params)
+    return [_convert(o, v.aval.dtype) for o, v in zip(outs, eqn.outvars, strict=True)], ""
+
+
+def kept_as_written(error: BaseException) -> str:
+    return f"custom rule kept as written: {error!r}"
+
+
+def custom_params(ctx: Context, eqn: Any, place: Place, *,
+                  record: bool = True) -> dict[str, Any]:
+    """A custom rule's parameters with its primal function and its rule rewritten, each
+    with its boundary pinned to the dtypes the author wrote it for (rows recorded for the
+    primal function only, when ``record``)."""
     params = dict(eqn.params)
-    ctx, repeats = scope.ctx, scope.repeats
-    out_dtypes = [v.aval.dtype for v in eqn.outvars]
 
     def pinned(closed: Any, record: bool) -> core.ClosedJaxpr:
         sub = ctx if record else dataclasses.replace(ctx, rows=None)
-        new, _ = rewrite_closed(sub, closed, closed.in_avals, path=path, repeats=repeats,
+        new, _ = rewrite_closed(sub, closed, closed.in_avals, place=place,
                                 pin_out=[a.dtype for a in closed.out_avals])
         return new
 
-    try:
-        params["call_jaxpr"] = pinned(params["call_jaxpr"], record=True)
-        if eqn.primitive.name == "custom_jvp_call":
-            params["jvp_jaxpr_fun"] = _pinned_thunk(params["jvp_jaxpr_fun"], pinned, 3)
-        else:
-            params["fwd_jaxpr_thunk"] = _pinned_thunk(params["fwd_jaxpr_thunk"], pinned, 2)
-            params["bwd"] = _pinned_bwd(params["bwd"], ctx)
-    except (KeyError, TypeError) as error:  # another JAX's parameters: keep the rule as is
-        return _as_written(scope, eqn, path)[0], f"kept as written ({error})"
-    outs = _bind_params(eqn, operands, params)
-    return [_convert(o, d) for o, d in zip(outs, out_dtypes, strict=True)], ""
+    if eqn.primitive.name == "custom_jvp_call":
+        params["jvp_jaxpr_fun"] = _pinned_thunk(params["jvp_jaxpr_fun"], pinned)
+    else:
+        params["fwd_jaxpr_thunk"] = _pinned_thunk(params["fwd_jaxpr_thunk"], pinned)
+        params["bwd"] = _pinned_bwd(params["bwd"], ctx)
+    params["call_jaxpr"] = pinned(params["call_jaxpr"], record=record)
+    return params
 
 
-def _pinned_thunk(thunk: Any, pinned: Callable[..., Any], arity: int) -> Any:
+def _pinned_thunk(thunk: Any, pinned: Callable[..., Any]) -> Any:
     """A custom rule's jaxpr thunk whose jaxpr comes back rewritten, boundary pinned."""
 
     @functools.cache
@@ -546,7 +644,9 @@ def _pinned_bwd(bwd: Any, ctx: Context) -> Any:
     return lu.wrap_init(rewritten, debug_info=bwd.debug_info)
 
 
-_APPLY: dict[Rule, Callable[[Scope, Any, str], tuple[list[Any], str]]] = {
+Apply = Callable[[Scope, Any, Place], tuple[list[Any], str]]
+
+_APPLY: dict[Rule, Apply] = {
     Rule.HALF: _half,
     Rule.HALF_FLOAT32_OUT: _half_float32_out,
     Rule.FLOAT32: _float32,
@@ -621,12 +721,34 @@ def _aval(value: Any) -> Any:
     return core.typeof(value)
 
 
+def _floating(eqn: Any) -> bool:
+    """Whether the equation reads or writes a floating (real or complex) value."""
+    return any(jnp.issubdtype(d, jnp.inexact) for d in _dtypes(eqn))
+
+
+def _dtypes(eqn: Any) -> list[Any]:
+    return [v.aval.dtype for v in (*eqn.invars, *eqn.outvars) if hasattr(v.aval, "dtype")
+            and not jax.dtypes.issubdtype(v.aval.dtype, jax.dtypes.extended)]
+
+
+def scope_names(name_stack: Any) -> str:
+    """A name stack's scopes (module paths, ``named_scope``), its transformations dropped:
+    ``vmap(head)`` is ``head``."""
+    return "/".join(e.name for e in name_stack.stack if type(e).__name__ == "Scope")
+
+
+def is_library(debug_info: Any) -> bool:
+    """Whether a sub-program's function is a library's (JAX, flax, Equinox, optax)."""
+    info = getattr(debug_info, "func_src_info", None) or ""
+    _, _, where = info.partition(" at ")
+    return bool(where) and where.startswith(_framework_dirs(with_jax=True))
+
+
 def _eligible(eqn: Any) -> bool:
     """Whether every floating value the equation reads or writes was float32: autocast
     changes float32 computations only; float64, complex and what the user wrote in a
     16-bit dtype run as written."""
-    dtypes = [v.aval.dtype for v in (*eqn.invars, *eqn.outvars) if hasattr(v.aval, "dtype")]
-    return all(d == FLOAT32 for d in dtypes if jnp.issubdtype(d, jnp.inexact))
+    return all(d == FLOAT32 for d in _dtypes(eqn) if jnp.issubdtype(d, jnp.inexact))
 
 
 def _flops(eqn: Any) -> int:
@@ -683,27 +805,28 @@ def source_of(eqn: Any) -> str | None:
     return None if frame is None else f"{frame.file_name}:{frame.start_line}"
 
 
-_FRAMEWORK_DIRS: tuple[str, ...] | None = None
+@functools.cache
+def _framework_dirs(with_jax: bool = False) -> tuple[str, ...]:
+    """The folders of flax, Equinox, optax, this library (and JAX, when asked)."""
+    import importlib.util
+    import os
+
+    names = ["flax", "equinox", "optax", "haiku", "chex", "loss_scaling"]
+    dirs: list[str] = []
+    for name in names + (["jax"] if with_jax else []):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            dirs.extend(os.path.join(p, "") for p in spec.submodule_search_locations)
+    return tuple(dirs)
 
 
 def user_frame(traceback: Any) -> Any:
     """The innermost frame of ``traceback`` outside JAX, flax, Equinox, optax and this
     library (``None`` when there is none)."""
-    global _FRAMEWORK_DIRS
-    if _FRAMEWORK_DIRS is None:
-        import importlib.util
-        import os
-
-        dirs = []
-        for name in ("flax", "equinox", "optax", "haiku", "chex", "loss_scaling"):
-            spec = importlib.util.find_spec(name)
-            if spec is not None and spec.submodule_search_locations:
-                dirs.extend(os.path.join(p, "") for p in spec.submodule_search_locations)
-        _FRAMEWORK_DIRS = tuple(dirs)
     if traceback is None:
         return None
+    skip = _framework_dirs()
     for frame in source_info_util.user_frames(traceback):
-        if not frame.file_name.startswith(_FRAMEWORK_DIRS) or frame.file_name.endswith(
-                "demo.py"):
+        if not frame.file_name.startswith(skip) or frame.file_name.endswith("demo.py"):
             return frame
     return None

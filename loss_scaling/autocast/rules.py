@@ -39,7 +39,9 @@ DESCRIPTIONS: dict[Rule, str] = {
     Rule.WIDEST: (
         "It runs in the widest floating dtype among its operands: one operand keeps its dtype, "
         "several meet at the widest. A scalar literal joins only when the half dtype would "
-        "round it to 0, a subnormal or inf (an `eps` of `1e-8` stays `1e-8`)."),
+        "round it to 0, a subnormal or inf (an `eps` of `1e-8` stays `1e-8`). A bias added "
+        "to a half matmul result (a vector along the last axis) is cast to half, as torch's "
+        "`linear` adds it; its gradient is still summed in float32."),
     Rule.EACH: (
         "Every operand keeps its own dtype (several independent values in one equation: "
         "`psum` of a tuple, `optimization_barrier`, multi-operand `sort`)."),

@@ -301,17 +301,19 @@ def _value_and_grad_for(state: Any, args: tuple[Any, ...], kwargs: Any,
 AUTOCAST_TAG = "loss_scaling.autocast"  # nnx's context tag for the lifted call
 
 
-def autocast(fn: Callable[..., Any], call_pure: Callable[..., Any]) -> Callable[..., Any]:
-    """``loss_scaling.autocast`` over ``nnx`` objects, lifted as ``nnx.jit`` lifts
-    ``jax.jit``: the objects split into pytrees outside, merged inside, and what ``fn``
-    writes into them (BatchNorm statistics, RNG counts) written back after the call."""
-    merged = general.merge_inputs(lambda args, kwargs: fn(*args, **kwargs), ctxtag=AUTOCAST_TAG)
+def autocast(call_pure: Callable[..., Any]) -> Callable[..., Any]:
+    """``loss_scaling.autocast`` over ``nnx`` objects (the function itself may be one),
+    lifted as ``nnx.jit`` lifts ``jax.jit``: the objects split into pytrees outside, merged
+    inside, and what the function writes into them (BatchNorm statistics, RNG counts)
+    written back after the call."""
+    merged = general.merge_inputs(
+        lambda fn, args, kwargs: fn(*args, **kwargs), ctxtag=AUTOCAST_TAG)
 
-    def split(args: Any, kwargs: Any) -> Any:
-        return call_pure(merged, (args, kwargs))
+    def split(fn: Any, args: Any, kwargs: Any) -> Any:
+        return call_pure(merged, (fn, args, kwargs))
 
     lifted = general.split_inputs(split, ctxtag=AUTOCAST_TAG)
-    return lambda *args, **kwargs: lifted(args, kwargs)
+    return lambda fn, *args, **kwargs: lifted(fn, args, kwargs)
 
 
 def _owns(tree: Any) -> bool:
