@@ -205,3 +205,30 @@ def test_sites_match_by_module_path_source_line_and_primitive() -> None:
     assert not site.matches("LM/block_0/wo", "/home/me/src/model.py:420", "dot_general")
     assert not site.matches("LM/block_0/wo", "/home/me/othersrc/model.py:42", "dot_general")
     assert not site.matches("LM/block_0/wo", "/home/me/src/model.py:42", "add")
+
+
+def test_measure_keeps_the_largest_magnitude_of_every_iteration_by_brute_force() -> None:
+    from loss_scaling.autocast.function import context
+    from loss_scaling.autocast.measure import measure
+
+    def fn(w, x):
+        def body(h, _):
+            return jnp.tanh(h @ w) * 3.0, None
+
+        return jax.lax.scan(body, x, None, length=4)[0]
+
+    w = jnp.linspace(-1.0, 1.0, 16, dtype=jnp.float32).reshape(4, 4)
+    x = jnp.linspace(-2.0, 2.0, 8, dtype=jnp.float32).reshape(2, 4)
+    closed = jax.make_jaxpr(fn)(w, x)
+    rows = list(measure(context(jnp.float16, ls.AutocastPolicy()), closed, [w, x]).values())
+    # by hand, in float16 as the rules run it: the largest |h @ w| and |3 tanh| per step
+    h, dots, muls = x.astype(jnp.float16), [], []
+    for _ in range(4):
+        d = h @ w.astype(jnp.float16)
+        dots.append(float(jnp.abs(d).max()))
+        h = (jnp.tanh(d) * jnp.float16(3.0)).astype(jnp.float32).astype(jnp.float16)
+        muls.append(float(jnp.abs(h).max()))
+    dot = next(r for r in rows if r.primitive == "dot_general")
+    mul = next(r for r in rows if r.primitive == "mul")
+    assert (dot.repeats, mul.repeats) == (4, 4)
+    assert dot.max_abs == max(dots) and mul.max_abs == max(muls)
