@@ -61,12 +61,14 @@ class Block(nn.Module):
     width: int
     heads: int
     dtype: Any = DTYPE  # the compute dtype (flax's convention); params stay float32
+    residual_dtype: Any = None  # the writes into the residual stream (None: dtype)
 
     @nn.compact
     def __call__(self, x):
         batch, length, width = x.shape
         head = width // self.heads
         dtype = self.dtype
+        residual = self.residual_dtype or dtype
         h = nn.LayerNorm(dtype=dtype)(x)
         q, k, v = (nn.Dense(width, dtype=dtype, name=name)(h).reshape(
             batch, length, self.heads, head) for name in ("query", "key", "value"))
@@ -75,10 +77,10 @@ class Block(nn.Module):
         logits = jnp.where(causal, logits, jnp.finfo(dtype).min)
         weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(dtype)
         attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, length, width)
-        x = x + nn.Dense(width, dtype=dtype, name="out")(attended)
+        x = x + nn.Dense(width, dtype=residual, name="out")(attended)
         h = nn.LayerNorm(dtype=dtype)(x)
         h = nn.Dense(4 * width, dtype=dtype)(h)
-        return x + nn.Dense(width, dtype=dtype)(nn.gelu(h))
+        return x + nn.Dense(width, dtype=residual)(nn.gelu(h))
 
 
 class GPT(nn.Module):
@@ -91,14 +93,16 @@ class GPT(nn.Module):
     heads: int = 4
     length: int = 32
     dtype: Any = DTYPE
+    residual_dtype: Any = None  # the residual stream's (None: dtype; autocast_policy_cost.py)
 
     @nn.compact
     def __call__(self, tokens):
-        x = nn.Embed(self.vocab, self.width, dtype=self.dtype)(tokens)
-        x = x + nn.Embed(self.length, self.width, dtype=self.dtype)(
+        residual = self.residual_dtype or self.dtype
+        x = nn.Embed(self.vocab, self.width, dtype=residual)(tokens)
+        x = x + nn.Embed(self.length, self.width, dtype=residual)(
             jnp.arange(tokens.shape[1]))
         for _ in range(self.layers):
-            x = Block(self.width, self.heads, self.dtype)(x)
+            x = Block(self.width, self.heads, self.dtype, self.residual_dtype)(x)
         x = nn.LayerNorm(dtype=self.dtype)(x)
         return nn.Dense(self.vocab, use_bias=False, dtype=self.dtype)(x)
 

@@ -91,3 +91,14 @@ def test_the_api_page_names_every_rule():
     text = (doc_blocks.ROOT / "docs" / "api.md").read_text()
     for rule in ls.AutocastRule:
         assert f"`{rule.name}`" in text, rule
+
+
+def test_the_forward_overflow_section_prints_what_the_page_shows(capsys):
+    namespace = doc_blocks.namespace(doc_blocks.named("autocast.md", "forward_overflow"))
+    printed = capsys.readouterr().out.splitlines()
+    shown = next(b for b in doc_blocks.blocks("docs/autocast.md")
+                 if b.option("name") == "forward_overflow_output")
+    assert shown.code.strip().splitlines() == printed
+    # the report flagged the planted matmul, and only it
+    (row,) = namespace["report"].overflows
+    assert (row.path, row.rule) == ("LM/block_0/down", ls.AutocastRule.HALF)
