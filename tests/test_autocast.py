@@ -218,7 +218,7 @@ def test_a_scan_keeps_its_carry_dtype_and_casts_an_invariant_weight_once_outside
         def body(c, _):
             return jnp.tanh(c @ w), jnp.sum(c)
 
-        return lax.scan(body, x, None, length=5)
+        return lax.scan(body, x @ w, None, length=5)  # the carry starts half, as a matmul
 
     w = jnp.eye(4) * 0.5
     jaxpr = jax.make_jaxpr(ls.autocast(fn))(w, X)
@@ -230,8 +230,9 @@ def test_a_scan_keeps_its_carry_dtype_and_casts_an_invariant_weight_once_outside
     # the weight is cast to float16 once, outside the loop; inside only the carry is
     outside = [e for e, r in casts(jaxpr, "float32", "float16") if r == 1]
     inside = [e for e, r in casts(jaxpr, "float32", "float16") if r == 5]
-    assert len(outside) == 1 and outside[0].invars[0].aval.shape == (4, 4)
-    assert [e.invars[0].aval.shape for e in inside] == [(2, 4)]
+    assert [e.invars[0].aval.shape for e in outside] == [(2, 4), (4, 4)]  # x, and w once
+    assert [e.invars[0].aval.shape for e in inside] == [(2, 4)]  # the carry, each step
+    (pin,) = [e for e, r in casts(jaxpr, "float16", "float32") if r == 1]  # entry: float32
     out, ys = ls.autocast(fn)(w, X)
     ref, ref_ys = fn(w, X)
     np.testing.assert_allclose(out, ref, rtol=1e-2, atol=1e-3)
