@@ -60,40 +60,51 @@ DTYPE = jnp.float16
 class Block(nn.Module):
     width: int
     heads: int
+    dtype: Any = DTYPE  # the compute dtype (flax's convention); params stay float32
+    residual_dtype: Any = None  # the writes into the residual stream (None: dtype)
 
     @nn.compact
     def __call__(self, x):
         batch, length, width = x.shape
         head = width // self.heads
-        h = nn.LayerNorm(dtype=DTYPE)(x)
-        q, k, v = (nn.Dense(width, dtype=DTYPE, name=name)(h).reshape(
+        dtype = self.dtype
+        residual = self.residual_dtype or dtype
+        h = nn.LayerNorm(dtype=dtype)(x)
+        q, k, v = (nn.Dense(width, dtype=dtype, name=name)(h).reshape(
             batch, length, self.heads, head) for name in ("query", "key", "value"))
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head).astype(DTYPE)
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head).astype(dtype)
         causal = jnp.tril(jnp.ones((length, length), bool))
-        logits = jnp.where(causal, logits, jnp.finfo(DTYPE).min)
-        weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(DTYPE)
+        logits = jnp.where(causal, logits, jnp.finfo(dtype).min)
+        weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(dtype)
         attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, length, width)
-        x = x + nn.Dense(width, dtype=DTYPE, name="out")(attended)
-        h = nn.LayerNorm(dtype=DTYPE)(x)
-        h = nn.Dense(4 * width, dtype=DTYPE)(h)
-        return x + nn.Dense(width, dtype=DTYPE)(nn.gelu(h))
+        x = x + nn.Dense(width, dtype=residual, name="out")(attended)
+        h = nn.LayerNorm(dtype=dtype)(x)
+        h = nn.Dense(4 * width, dtype=dtype)(h)
+        return x + nn.Dense(width, dtype=residual)(nn.gelu(h))
 
 
 class GPT(nn.Module):
+    """``dtype=jnp.float32`` is the same model written in float32 (every cast above is then
+    a no-op): benchmarks/autocast_cost.py runs it under ``ls.autocast``."""
+
     layers: int
     vocab: int = 256
     width: int = 64
     heads: int = 4
     length: int = 32
+    dtype: Any = DTYPE
+    residual_dtype: Any = None  # the residual stream's (None: dtype; autocast_policy_cost.py)
 
     @nn.compact
     def __call__(self, tokens):
-        x = nn.Embed(self.vocab, self.width, dtype=DTYPE)(tokens)
-        x = x + nn.Embed(self.length, self.width, dtype=DTYPE)(jnp.arange(tokens.shape[1]))
+        residual = self.residual_dtype or self.dtype
+        x = nn.Embed(self.vocab, self.width, dtype=residual)(tokens)
+        x = x + nn.Embed(self.length, self.width, dtype=residual)(
+            jnp.arange(tokens.shape[1]))
         for _ in range(self.layers):
-            x = Block(self.width, self.heads)(x)
-        x = nn.LayerNorm(dtype=DTYPE)(x)
-        return nn.Dense(self.vocab, use_bias=False, dtype=DTYPE)(x)
+            x = Block(self.width, self.heads, self.dtype, self.residual_dtype)(x)
+        x = nn.LayerNorm(dtype=self.dtype)(x)
+        return nn.Dense(self.vocab, use_bias=False, dtype=self.dtype)(x)
 
 
 def cross_entropy(model: GPT, params: Any, tokens: jax.Array) -> jax.Array:

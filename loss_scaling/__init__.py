@@ -6,6 +6,13 @@ optimizer so that non-finite steps are skipped exactly.
 """
 
 from loss_scaling._errors import Failure, LossScaleError, LossScaleWarning
+from loss_scaling.autocast import (
+    AutocastPolicy,
+    AutocastReport,
+    autocast,
+    autocast_report,
+)
+from loss_scaling.autocast import Rule as AutocastRule
 from loss_scaling.checkpoint.config import check_same_config, restore_with_config
 from loss_scaling.checkpoint.flax_record import from_bytes
 from loss_scaling.checkpoint.restore import restore_loss_scale
@@ -34,6 +41,9 @@ from loss_scaling.wrapper.transform import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutocastPolicy",
+    "AutocastReport",
+    "AutocastRule",
     "DynamicLossScale",
     "FORMAT_VERSION",
     "Failure",
@@ -52,6 +62,8 @@ __all__ = [
     "UnderflowStats",
     "all_finite",
     "apply_gradients",
+    "autocast",
+    "autocast_report",
     "check",
     "check_same_config",
     "find_overflow",

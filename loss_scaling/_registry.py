@@ -28,11 +28,19 @@ class Hooks(NamedTuple):
       value_and_grad: ``(state, args, kwargs, argnums) -> factory | None``: when the
         arguments hold the framework's modules, a ``(fun, argnums, has_aux) -> f``
         factory of its gradient function (``loss_scaling.value_and_grad``), or ``None``.
+      owns: ``tree -> bool``: whether a pytree holds the framework's objects (modules that
+        are not plain pytrees), or ``None``.
+      autocast: ``call_pure -> f``: ``f(fn, *args, **kwargs)`` calls ``fn`` on the
+        framework's objects through ``call_pure(pure_fn, args, kwargs)``
+        (``loss_scaling.autocast`` of pytrees), and writes back what ``fn`` wrote into the
+        objects; or ``None``.
     """
 
     unwrap: Callable[[Any], Any] | None = None
     replace_scale: Callable[..., Any] | None = None
     value_and_grad: Callable[..., Any] | None = None
+    owns: Callable[[Any], bool] | None = None
+    autocast: Callable[..., Any] | None = None
 
 
 _REGISTERED: dict[str, Hooks] = {}

@@ -1,11 +1,13 @@
 """The demo: float16 training that fails without loss scaling and matches float32 with it.
 
-``python -m loss_scaling.demo`` trains the same small flax model on the same data three
+``python -m loss_scaling.demo`` trains the same small flax model on the same data four
 times, changing only the compute precision and the loss scale:
 
 * ``fp32``: float32 compute (``NoOpLossScale``), the reference;
 * ``fp16``: float16 compute, float32 master weights, no loss scaling (``NoOpLossScale``);
-* ``fp16+ls``: the same float16 compute with ``DynamicLossScale``.
+* ``fp16+ls``: the same float16 compute with ``DynamicLossScale``;
+* ``autocast``: the float32 model (no ``dtype=``) under ``ls.autocast``, which runs its
+  matmuls in float16, with ``DynamicLossScale``: mixed precision without a hand-cast model.
 
 The model is a textbook vanishing-gradient network: 8 sigmoid layers of width 32 with
 flax's default (LeCun normal) initialisation. A sigmoid's slope is at most 1/4, so the
@@ -101,12 +103,14 @@ class MLP(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """One of the three runs: a name, a compute dtype and a loss scale."""
+    """One of the runs: a name, the model's dtype and a loss scale; ``autocast``: the
+    model's forward pass runs under ``ls.autocast`` (float16 matmuls)."""
 
     name: str
     description: str
     dtype: Any
     make_scaler: Callable[[], ls.LossScale]
+    autocast: bool = False
 
 
 MODES: tuple[Mode, ...] = (
@@ -114,13 +118,15 @@ MODES: tuple[Mode, ...] = (
     Mode("fp16", "float16 without loss scaling", jnp.float16, ls.NoOpLossScale),
     Mode("fp16+ls", "float16 with DynamicLossScale", jnp.float16,
          lambda: ls.DynamicLossScale(growth_interval=GROWTH_INTERVAL)),
+    Mode("autocast", "float32 model + ls.autocast + loss scaling", jnp.float32,
+         lambda: ls.DynamicLossScale(growth_interval=GROWTH_INTERVAL), autocast=True),
 )
 
 
 def make_optimizer(mode: Mode, steps: int) -> ls.LossScalingTransformation:
     """Adam with a cosine-decayed learning rate, wrapped in ``with_loss_scaling``.
 
-    All three modes use the wrapper; only the scaler differs (``NoOpLossScale`` is the
+    Every mode uses the wrapper; only the scaler differs (``NoOpLossScale`` is the
     identity), so the comparison changes nothing but the precision and the scale. The
     wrapper's underflow statistics report the fraction of gradient entries that are zero.
     """
@@ -141,21 +147,25 @@ class StepStats(NamedTuple):
     zero_fraction: jax.Array  # fraction of gradient entries that are exactly zero
 
 
-def _apply(model: MLP, params: Any, x: jax.Array) -> jax.Array:
-    return cast(jax.Array, model.apply({"params": params}, x))
+def _apply(model: MLP, params: Any, x: jax.Array, autocast: bool = False) -> jax.Array:
+    apply = ls.autocast(model.apply) if autocast else model.apply
+    return cast(jax.Array, apply({"params": params}, x))
 
 
-def _cross_entropy(model: MLP, params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-    logits = _apply(model, params, x)
+def _cross_entropy(model: MLP, params: Any, x: jax.Array, y: jax.Array,
+                   autocast: bool = False) -> jax.Array:
+    logits = _apply(model, params, x, autocast)
     # The loss itself in float32, as mixed precision recipes do.
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
 
 
-def make_train_step(model: MLP, tx: ls.LossScalingTransformation) -> Callable[..., Any]:
+def make_train_step(model: MLP, tx: ls.LossScalingTransformation, *,
+                    autocast: bool = False) -> Callable[..., Any]:
     """The jit-compiled step ``(params, opt_state, x, y) -> (params, opt_state, StepStats)``:
     ``ls.value_and_grad`` differentiates the scaled loss, ``ls.apply_gradients`` unscales,
-    checks, skips or steps and updates the scale."""
-    grad_fn = ls.value_and_grad(lambda p, x, y: _cross_entropy(model, p, x, y))
+    checks, skips or steps and updates the scale. ``autocast``: the model runs under
+    ``ls.autocast``."""
+    grad_fn = ls.value_and_grad(lambda p, x, y: _cross_entropy(model, p, x, y, autocast))
 
     @jax.jit
     def train_step(params: Any, opt_state: Any, x: jax.Array, y: jax.Array) -> Any:
@@ -170,12 +180,14 @@ def make_train_step(model: MLP, tx: ls.LossScalingTransformation) -> Callable[..
     return train_step
 
 
-def evaluate(model: MLP, params: Any, x: Any, y: Any) -> tuple[float, float]:
-    """``(mean cross-entropy, accuracy in [0, 1])`` of ``model`` at ``params`` on ``(x, y)``."""
+def evaluate(model: MLP, params: Any, x: Any, y: Any, *,
+             autocast: bool = False) -> tuple[float, float]:
+    """``(mean cross-entropy, accuracy in [0, 1])`` of ``model`` at ``params`` on ``(x, y)``
+    (``autocast``: run under ``ls.autocast``, as trained)."""
 
     @jax.jit
     def loss_and_accuracy(params: Any, x: jax.Array, y: jax.Array) -> tuple[Any, Any]:
-        logits = _apply(model, params, x)
+        logits = _apply(model, params, x, autocast)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
         return loss.mean(), (jnp.argmax(logits, -1) == y).mean()
 
@@ -233,7 +245,7 @@ def train(mode: Mode, *, steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED,
     params = model.init(jax.random.key(seed), x_train[:1])["params"]
     tx = make_optimizer(mode, steps)
     opt_state = tx.init(params)
-    train_step = make_train_step(model, tx)
+    train_step = make_train_step(model, tx, autocast=mode.autocast)
 
     bar = _progress_bar(steps, f"{mode.name:>7}") if progress else None
     start = time.perf_counter()
@@ -258,7 +270,7 @@ def train(mode: Mode, *, steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED,
         bar.close()
 
     history = jax.device_get(stats)
-    test_loss, test_accuracy = evaluate(model, params, x_test, y_test)
+    test_loss, test_accuracy = evaluate(model, params, x_test, y_test, autocast=mode.autocast)
     summary = ls.metrics(opt_state)
     return RunResult(
         mode=mode,
@@ -322,14 +334,15 @@ def accuracy_gaps(results: Sequence[RunResult]) -> dict[str, float]:
 
 def format_table(results: Sequence[RunResult]) -> str:
     """The comparison table, then a line of test-accuracy differences against ``fp32``."""
-    header = (f"{'mode':<8} {'compute':<29} {'final loss':>10} {'test acc':>8} "
+    width = max([len("compute"), *(len(r.mode.description) for r in results)])
+    header = (f"{'mode':<8} {'compute':<{width}} {'final loss':>10} {'test acc':>8} "
               f"{'skipped':>7} {'final scale':>11} {'ms/step':>7} {'zero grads':>10}")
     lines = [header, "-" * len(header)]
     for r in results:
         exponent = float(np.log2(r.final_scale))  # a power of two shows as 2^k
         scale = f"2^{exponent:g}" if exponent.is_integer() and exponent else f"{r.final_scale:g}"
         lines.append(
-            f"{r.mode.name:<8} {r.mode.description:<29} {r.final_loss:>10.4f} "
+            f"{r.mode.name:<8} {r.mode.description:<{width}} {r.final_loss:>10.4f} "
             f"{100 * r.test_accuracy:>7.1f}% {r.skipped_steps:>7d} "
             f"{scale:>11} {1e3 * r.seconds_per_step:>7.2f} "
             f"{100 * r.zero_fraction:>9.1f}%")
@@ -344,11 +357,13 @@ def format_table(results: Sequence[RunResult]) -> str:
     return "\n".join(lines)
 
 
-_COLORS = {"fp32": "tab:blue", "fp16": "tab:red", "fp16+ls": "tab:green"}
+_COLORS = {"fp32": "tab:blue", "fp16": "tab:red", "fp16+ls": "tab:green",
+           "autocast": "tab:purple"}
 
 
 def draw_results(results: Sequence[RunResult], axes: Sequence[Any]) -> None:
-    """Draws the three panels on three matplotlib axes: loss, zero gradients, loss scale."""
+    """Draws the three panels on three matplotlib axes: loss, zero gradients, loss scale
+    (of the runs with a dynamic scale)."""
     ax_loss, ax_zero, ax_scale = axes
     for r in results:
         color = _COLORS.get(r.mode.name)
@@ -368,9 +383,9 @@ def draw_results(results: Sequence[RunResult], axes: Sequence[Any]) -> None:
         color = _COLORS.get(r.mode.name)
         ax_scale.step(steps, r.loss_scales, where="post", color=color, label=r.mode.name)
         skipped = ~r.finite
-        ax_scale.scatter(steps[skipped], r.loss_scales[skipped], marker="x", color="black",
-                         zorder=3, label=f"skipped step ({int(skipped.sum())})")
-    ax_scale.set(title="loss scale (fp16+ls)", xlabel="step", ylabel="factor")
+        ax_scale.scatter(steps[skipped], r.loss_scales[skipped], marker="x", color=color,
+                         zorder=3, label=f"{r.mode.name} skipped step ({int(skipped.sum())})")
+    ax_scale.set(title="loss scale", xlabel="step", ylabel="factor")
     ax_scale.set_yscale("log", base=2)
     if scaled:
         ax_scale.legend(fontsize=8)
@@ -385,7 +400,7 @@ def save_figure(results: Sequence[RunResult], path: str | os.PathLike[str]) -> N
     FigureCanvasAgg(fig)
     draw_results(results, fig.subplots(1, 3))
     fig.suptitle("float16 training: without loss scaling the lower layers get zero "
-                 "gradients; with it, float16 matches float32")
+                 "gradients; with it, float16 matches float32, hand-cast or autocast")
     directory = os.path.dirname(os.fspath(path))
     if directory:
         os.makedirs(directory, exist_ok=True)
@@ -398,10 +413,11 @@ def save_figure(results: Sequence[RunResult], path: str | os.PathLike[str]) -> N
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m loss_scaling.demo", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Train a deep sigmoid MLP on generated 3-class spirals three times: "
+        description="Train a deep sigmoid MLP on generated 3-class spirals four times: "
         "float32; float16 compute without loss scaling; float16 compute with "
-        "loss_scaling.DynamicLossScale. Prints a comparison table and saves a PNG of the "
-        "loss curves and the loss scale over time.")
+        "loss_scaling.DynamicLossScale; the float32 model under loss_scaling.autocast with "
+        "DynamicLossScale. Prints a comparison table and saves a PNG of the loss curves and "
+        "the loss scale over time.")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                         help="optimizer steps per mode (full batch of "
                              f"{NUM_EXAMPLES} examples; the learning rate decays to 0 over them)")

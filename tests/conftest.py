@@ -29,6 +29,7 @@ SLOW_MODULES = (
     "tests/test_restore_devices.py",  # subprocesses on 8 devices and on 2 processes
     "tests/test_restore_fuzz.py",  # hypothesis over corrupted bytes and checkpoint files
     "tests/test_policy_runs.py",  # four short float16 training runs of the demo model
+    "tests/test_autocast_zoo.py",  # seven models, their gradients and 150-step trainings
 )
 
 # Tests that use these (module-scoped, expensive) fixtures.

@@ -18,6 +18,7 @@ import sys
 import doc_blocks
 import jax
 import jax.numpy as jnp
+import jaxpr_walk
 import numpy as np
 import pytest
 
@@ -59,9 +60,10 @@ def test_main_prints_the_table(demo_run):
     header = next(i for i, line in enumerate(lines) if line.startswith("mode "))
     for column in ("final loss", "test acc", "skipped", "final scale", "ms/step", "zero grads"):
         assert column in lines[header]
-    rows = [line.split()[0] for line in lines[header + 2:header + 5]]
-    assert rows == ["fp32", "fp16", "fp16+ls"]
-    assert any(line.startswith("test accuracy vs float32: ") and line.count("points") == 2
+    rows = [line.split()[0] for line in lines[header + 2:header + 6]]
+    assert rows == ["fp32", "fp16", "fp16+ls", "autocast"]
+    assert "float32 model + ls.autocast + loss scaling" in lines[header + 5]
+    assert any(line.startswith("test accuracy vs float32: ") and line.count("points") == 3
                for line in lines)
 
 
@@ -74,7 +76,7 @@ def test_main_saves_the_png_where_it_says(demo_run):
 
 def test_main_shows_a_progress_bar(demo_run):
     # tqdm (or the built-in bar) writes to stderr and reaches the end for every mode.
-    for name in ("fp32", "fp16", "fp16+ls"):
+    for name in ("fp32", "fp16", "fp16+ls", "autocast"):
         assert name in demo_run.stderr
     assert "30/30" in demo_run.stderr
 
@@ -106,7 +108,7 @@ def test_runs_as_a_module():
 
 def test_results_of_a_short_run(demo_run):
     results = demo_run.results
-    assert [r.mode.name for r in results] == ["fp32", "fp16", "fp16+ls"]
+    assert [r.mode.name for r in results] == ["fp32", "fp16", "fp16+ls", "autocast"]
     for r in results:
         for per_step in (r.losses, r.loss_scales, r.finite, r.zero_fractions):
             assert per_step.shape == (30,)
@@ -114,13 +116,16 @@ def test_results_of_a_short_run(demo_run):
         assert 0.0 <= r.test_accuracy <= 1.0
         assert r.seconds_per_step > 0
         assert r.skipped_steps == int((~r.finite).sum())
-    fp32, fp16, fp16_ls = results
+    fp32, fp16, fp16_ls, autocast = results
     assert fp32.final_scale == fp16.final_scale == 1.0
-    assert fp16_ls.loss_scales[0] == 2.0**15
+    assert fp16_ls.loss_scales[0] == autocast.loss_scales[0] == 2.0**15
     # float16 gradients underflow without loss scaling, and not with it.
     assert fp32.zero_fraction == 0.0
     assert fp16.zero_fraction > 0.2
-    assert fp16_ls.zero_fraction < 0.01
+    assert fp16_ls.zero_fraction < 0.01 and autocast.zero_fraction < 0.01
+    # the autocast run is the float32 model (float32 params, as every run's) ...
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(autocast.params))
+    assert not fp32.mode.autocast and autocast.mode.dtype == jnp.float32
 
 
 def test_format_table(demo_run):
@@ -128,8 +133,10 @@ def test_format_table(demo_run):
     assert table in demo_run.stdout
     assert "2^15" in table
     gaps = demo.accuracy_gaps(demo_run.results)
-    assert set(gaps) == {"fp16", "fp16+ls"}
+    assert set(gaps) == {"fp16", "fp16+ls", "autocast"}
     assert f"float16 with DynamicLossScale {gaps['fp16+ls']:+.1f} points" in table
+    assert (f"float32 model + ls.autocast + loss scaling {gaps['autocast']:+.1f} points"
+            in table)
     assert "-0.0 " not in table
 
 
@@ -201,6 +208,24 @@ def test_the_train_step_compiles_once_and_skips_non_finite_steps():
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  new_params, params)
     assert float(ls.get_loss_scale(opt_state).loss_scale) == scale / 2
+
+
+def test_the_autocast_mode_runs_the_float32_model_with_float16_matmuls():
+    mode = next(m for m in demo.MODES if m.autocast)
+    model = demo.MLP(depth=2, dtype=mode.dtype)  # the float32 model: no float16 in it
+    x, y = (jnp.asarray(a) for a in demo.make_spirals(64, seed=0))
+    params = model.init(jax.random.key(0), x[:1])["params"]
+    tx = demo.make_optimizer(mode, steps=10)
+    opt_state = tx.init(params)
+    as_written = jax.make_jaxpr(demo.make_train_step(model, tx))(params, opt_state, x, y)
+    train_step = demo.make_train_step(model, tx, autocast=True)
+    autocast = jax.make_jaxpr(train_step)(params, opt_state, x, y)
+    # every matmul of the step, forward and backward, reads float16 operands
+    assert jaxpr_walk.half_fraction(as_written) == 0.0
+    assert jaxpr_walk.half_fraction(autocast) == 1.0
+    params, opt_state, stats = train_step(params, opt_state, x, y)
+    assert bool(stats.finite) and stats.loss.dtype == jnp.float32
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
 
 
 def test_data_is_deterministic_and_splits_differ():

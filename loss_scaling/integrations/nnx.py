@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import jax
 from flax import nnx
+from flax.nnx.transforms import general  # split_inputs / merge_inputs: nnx.jit's lifting
 
 from loss_scaling import _registry
 from loss_scaling._errors import show
@@ -304,5 +305,28 @@ def _value_and_grad_for(state: Any, args: tuple[Any, ...], kwargs: Any,
     return value_and_grad if any_leaf(is_graph_node, (state, args, kwargs)) else None
 
 
+AUTOCAST_TAG = "loss_scaling.autocast"  # nnx's context tag for the lifted call
+
+
+def autocast(call_pure: Callable[..., Any]) -> Callable[..., Any]:
+    """``loss_scaling.autocast`` over ``nnx`` objects (the function itself may be one),
+    lifted as ``nnx.jit`` lifts ``jax.jit``: the objects split into pytrees outside, merged
+    inside, and what the function writes into them (BatchNorm statistics, RNG counts)
+    written back after the call."""
+    merged = general.merge_inputs(
+        lambda fn, args, kwargs: fn(*args, **kwargs), ctxtag=AUTOCAST_TAG)
+
+    def split(fn: Any, args: Any, kwargs: Any) -> Any:
+        return call_pure(merged, (fn, args, kwargs))
+
+    lifted = general.split_inputs(split, ctxtag=AUTOCAST_TAG)
+    return lambda fn, *args, **kwargs: lifted(fn, args, kwargs)
+
+
+def _owns(tree: Any) -> bool:
+    return any_leaf(is_graph_node, tree)
+
+
 _registry.register("flax.nnx", _registry.Hooks(
-    unwrap=unwrap, replace_scale=replace_scale, value_and_grad=_value_and_grad_for))
+    unwrap=unwrap, replace_scale=replace_scale, value_and_grad=_value_and_grad_for,
+    owns=_owns, autocast=autocast))

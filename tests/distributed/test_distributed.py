@@ -334,3 +334,22 @@ def test_headroom_growth_takes_the_max_over_every_device(results, path):
     run = scenario(results, "headroom")[path]
     assert run["loss_scale"].tolist() == [2.0**14] * N_DEVICES
     assert [h.tolist() for h in run["history"]] == [[0.125]] * N_DEVICES
+
+
+# -------------------------------------------------------------------------- autocast
+
+
+@pytest.mark.parametrize("path", ["pmap", "shard_map", "jit", "shard_map_tp"])
+def test_autocast_gives_the_same_loss_and_gradients_on_every_path(results, path):
+    value = scenario(results, "autocast")
+    ref_loss, ref_grads = value["reference"]
+    loss, grads = value[path]
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-3)
+    for name in ref_grads:
+        assert grads[name].dtype == np.float32
+        np.testing.assert_allclose(grads[name], ref_grads[name], rtol=2e-2, atol=2e-3)
+
+
+def test_autocast_inside_shard_map_runs_the_matmuls_in_half(results):
+    dots = scenario(results, "autocast")["shard_map_dots"]
+    assert dots == [("float16", "float16")]
