@@ -11,6 +11,7 @@ Every framework gets the same two-layer network, ``first`` (identity) then ``sec
 The line asserted is the user's line that calls ``second`` (marked ``# <- second``).
 """
 
+import functools
 import gc
 import subprocess
 import sys
@@ -856,3 +857,26 @@ def test_check_failure_messages_point_to_both_tools():
     for message in (str(error.value), str(too_many.value)):
         assert "loss_scaling.find_overflow" in message
         assert "loss_scaling.float16_report" in message
+
+
+def test_a_forward_overflow_names_the_autocast_policy_fix_and_the_fix_works():
+    def loss_fn(w, x, dtype=jnp.float16):
+        h = x.astype(dtype) @ w.astype(dtype)  # 300 * 100 * 4 = 120,000: past 65,504
+        return jnp.mean((h / 1e4).astype(jnp.float32))
+
+    w, x = jnp.full((4, 3), 300.0), jnp.full((2, 4), 100.0)
+    report = ls.find_overflow(loss_fn, w, x, scale=1.0)
+    assert report.phase == "forward"
+    assert "ls.autocast(loss_fn, policy=ls.autocast_report(loss_fn, *args).policy)" in str(
+        report)
+    assert "ls.autocast(loss_fn, policy=" in str(ls.float16_report(loss_fn, w, x))
+    # the fix, on the same model written in float32
+    float32_fn = functools.partial(loss_fn, dtype=jnp.float32)
+    policy = ls.autocast_report(float32_fn, w, x).policy
+    assert not np.isfinite(float(ls.autocast(float32_fn)(w, x)))
+    fixed = ls.autocast(float32_fn, policy=policy)(w, x)
+    np.testing.assert_allclose(fixed, float32_fn(w, x), rtol=1e-3)
+    # a backward overflow is the loss scale's to fix: no autocast advice
+    small = ls.find_overflow(lambda w, x: jnp.mean(x.astype(jnp.float16) @ w.astype(
+        jnp.float16)).astype(jnp.float32), w / 300, x / 100, scale=2.0**20)
+    assert small.phase == "backward" and "ls.autocast(" not in str(small)

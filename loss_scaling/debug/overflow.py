@@ -130,6 +130,8 @@ class OverflowReport:
                          f"({self.dtype} max {float(jnp.finfo(self.dtype).max):.4g})")
         if self.sums_a_loop_carry:
             lines.append("  why:        " + CARRY_SUM.format(dtype=self.dtype))
+        if self.phase == "forward" and self.inputs_finite:
+            lines.append("  fix:        " + FORWARD_FIX)
         if self.compiled_finite is True:
             lines.append("  compiled:   " + COMPILED_FINITE.format(scale=self.scale))
         elif self.compiled_finite is False:
@@ -153,6 +155,11 @@ COMPILED_FINITE = (
     "on this batch: XLA rounds this float16 arithmetic differently from the op-by-op run "
     "(fusions, reordering), so training at this scale does not skip on it; the value that "
     "overflowed here is within float16's last bits of its largest value.")
+FORWARD_FIX = (
+    "no loss scale fixes a forward overflow. Write the model in float32 and let autocast "
+    "keep exactly what overflows in float32: ls.autocast(loss_fn, policy=ls.autocast_report("
+    "loss_fn, *args).policy) (docs/autocast.md, 'When float16 overflows in the forward "
+    "pass'); in a hand-cast model, compute this layer in float32.")
 CARRY_SUM = (
     "this add_any adds one iteration's term to a sum the loop carries: in a backward "
     "scan, the gradient of something the scan closes over (a weight cast to {dtype} "

@@ -136,7 +136,9 @@ class Float16Report:
 FIRST_OVERFLOW = (
     "first overflow: {where}, from finite inputs; its row is on top. Rows marked "
     "'(carries it)' read -inf only because its inf/NaN passes through them: fix the first "
-    "(ls.find_overflow says more).")
+    "(ls.find_overflow says more). In the forward pass no loss scale fixes it: "
+    "ls.autocast(loss_fn, policy=ls.autocast_report(loss_fn, *args).policy) on the float32 "
+    "model keeps exactly what overflows in float32 (docs/autocast.md).")
 DISAGREE = (
     "at scale {scale:g} the compiled step is {compiled} while the op-by-op run the rows "
     "come from {op_by_op}: XLA folds, reorders and fuses float16 arithmetic; the verdict "
