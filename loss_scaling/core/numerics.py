@@ -449,6 +449,13 @@ def agree(flags: jax.Array, squares: jax.Array, axis_name: AxisName,
     return (every[:n] == 1, *(-every[n + i] for i in range(len(maxima))))
 
 
+def replica_max(peak: jax.Array, axis_name: AxisName) -> jax.Array:
+    """The largest float32 ``peak`` over the replicas, a NaN read as +inf: one ``pmin``
+    of ``-peak`` (a max over replicas drops NaN on XLA CPU), as :func:`agree` reads it."""
+    peak = jnp.where(jnp.isnan(peak), jnp.inf, peak)
+    return peak if axis_name is None else -lax.pmin(-peak, axis_name)
+
+
 def group_peak(x: jax.Array) -> jax.Array:
     """The largest ``|entry|`` of a group's vector as float32 (complex: the modulus), as
     :func:`loss_scaling.grads_max` computes it. Not the root of the largest square, which
@@ -598,10 +605,7 @@ def _read_max(vectors: list[jax.Array], groups: list[LeafGroup],
     """On CPU: the max |entry| in a pass of its own under a conditional (0 unless
     ``read``), agreed over ``axis_name`` by its own ``pmin`` (NaN-safe)."""
     def read_max(_: Any) -> jax.Array:
-        peak = _peak(vectors)
-        if axis_name is not None:
-            peak = -lax.pmin(-jnp.where(jnp.isnan(peak), jnp.inf, peak), axis_name)
-        return peak
+        return replica_max(_peak(vectors), axis_name)
 
     if all(group.joined for group in groups):
         # Only small leaves, concatenated: a few small kernels on every step cost less
