@@ -63,7 +63,8 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
     Returns:
       ``loss_scale``, ``growth_tracker`` (0 unless dynamic); the counters
       ``skipped_steps``, ``consecutive_skips``, ``nonfinite_loss_steps`` (skips caused by
-      a non-finite ``loss=``), ``replays`` and ``last_step_replays`` (``max_replays``);
+      a non-finite ``loss=``) and ``consecutive_nonfinite_losses`` (those in a row, what
+      ``max_nonfinite_losses`` counts), ``replays`` and ``last_step_replays`` (``max_replays``);
       ``last_step_applied``; ``nonfinite_grad_leaves`` (leaves non-finite on the last
       skipped step); ``failed`` and ``failure`` (the :class:`loss_scaling.Failure` code
       :func:`check` raises); ``clean_growths`` and ``scale_suspicious`` (the mis-use
@@ -82,8 +83,9 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       >>> {k: v.item() for k, v in ls.metrics(opt_state).items()}  # doctest: +NORMALIZE_WHITESPACE
       {'loss_scale': 32768.0, 'growth_tracker': 0, 'skipped_steps': 0,
        'consecutive_skips': 0, 'last_step_applied': True, 'nonfinite_loss_steps': 0,
-       'nonfinite_grad_leaves': 0, 'failed': False, 'failure': 0, 'clean_growths': 0,
-       'scale_suspicious': False, 'grad_norm': 0.0, 'replays': 0, 'last_step_replays': 0}
+       'consecutive_nonfinite_losses': 0, 'nonfinite_grad_leaves': 0, 'failed': False,
+       'failure': 0, 'clean_growths': 0, 'scale_suspicious': False, 'grad_norm': 0.0,
+       'replays': 0, 'last_step_replays': 0}
     """
     if isinstance(opt_state, SCALER_TYPES):
         raise TypeError(METRICS_OF_A_SCALER.format(what=type(opt_state).__name__))
@@ -98,6 +100,7 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
         "consecutive_skips": state.consecutive_skips,
         "last_step_applied": state.last_step_applied,
         "nonfinite_loss_steps": state.nonfinite_loss_steps,
+        "consecutive_nonfinite_losses": state.consecutive_nonfinite_losses,
         "nonfinite_grad_leaves": jnp.sum(state.nonfinite_grads, axis=-1, dtype=jnp.int32),
         "failed": state.failure != _errors.Failure.NONE,
         "failure": state.failure,
