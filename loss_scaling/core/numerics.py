@@ -544,7 +544,7 @@ def _exact_flags(leaves: list[Any], groups: list[LeafGroup], vectors: list[jax.A
     in a branch of its own the broadcast has one reader and is fused into it. The cost is
     to compile: a conditional and a few kernels a group (its predicate; the reciprocal's
     two scalars are sliced once, outside), where the reread is one fused reduction in any
-    case (a 12-layer GPT's train step: 2,278 kernels and 32 conditionals, against 2,243
+    case (a 12-layer GPT's train step: 2,279 kernels and 32 conditionals, against 2,243
     and 2 with every group reread in one computation; ``benchmarks/train_step_compile.py
     --counts``). The large leaves' sums take one ``isfinite``; one static permutation
     puts the flags in leaf order.
