@@ -87,7 +87,7 @@ def without(exact_branch: bool, bookkeeping: bool) -> Step:
 
     tx = ls.with_loss_scaling(optax.adam(1e-3))
 
-    def no_exact_branch(leaves, groups, vectors, inverse, axis_name):
+    def no_exact_branch(leaves, *_):
         return jnp.zeros((len(leaves),), jnp.bool_), jnp.asarray(False)
 
     def no_bookkeeping(options, state, inner_state, decision, loss_given=False):

@@ -12,6 +12,9 @@ XLA temp buffer bytes of its compiled step.
     python benchmarks/overhead.py --params 2e8    # a size that loads a GPU
     python benchmarks/overhead.py --flat          # every leaf 1-D (flattened embeddings,
                                                   # biases): mixed sizes, no matrix
+    python benchmarks/overhead.py --equal         # every leaf 1-D and of one size: XLA
+                                                  # CPU may share work (and buffers)
+                                                  # between leaves of one shape
 
 Each variant is timed two ways: one step per ``block_until_ready`` (a loop that logs every
 step) and pipelined (``--steps`` steps, then one block).
@@ -45,13 +48,16 @@ def is_donated(variant: str) -> bool:
     return "not donated" not in variant
 
 
-def make_params(total: float, leaves: int, seed: int = 0,
-                flat: bool = False) -> dict[str, jax.Array]:
+def make_params(total: float, leaves: int, seed: int = 0, flat: bool = False,
+                equal: bool = False) -> dict[str, jax.Array]:
     """``leaves`` float32 arrays (matrices and vectors, as in an MLP) with ``total`` entries;
-    ``flat``: every one 1-D (a model whose embeddings and kernels are stored flattened)."""
+    ``flat``: every one 1-D (a model whose embeddings and kernels are stored flattened);
+    ``equal``: every one 1-D with ``total / leaves`` entries."""
     rng = np.random.default_rng(seed)
     weights = rng.uniform(0.5, 1.5, leaves)
     weights[1::2] *= 0.05  # every other leaf is bias/norm-sized
+    if equal:
+        weights[:], flat = 1.0, True
     sizes = np.maximum((weights / weights.sum() * total).astype(int), 1)
     params = {}
     for i, size in enumerate(sizes):
@@ -192,12 +198,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=4, help="steps per variant per round")
     parser.add_argument("--flat", action="store_true",
                         help="every leaf 1-D (the second harness of docs/performance.md)")
+    parser.add_argument("--equal", action="store_true",
+                        help="every leaf 1-D and of one size (params / leaves entries)")
     parser.add_argument("--quick", action="store_true",
                         help="only the default rows and their anchors (for GPU leases)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
 
-    params0 = make_params(args.params, args.leaves, flat=args.flat)
+    params0 = make_params(args.params, args.leaves, flat=args.flat, equal=args.equal)
     n_params = sum(x.size for x in jax.tree.leaves(params0))
     true_grads = jax.tree.map(lambda p: p * 1e-3, params0)
     scaled_grads = jax.tree.map(lambda g: g * SCALE, true_grads)
@@ -254,7 +262,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     base = {m: statistics.median(times[m]["bare optax.adam"]) for m in modes}
     print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} "
-          f"params={n_params / 1e6:.3f}M leaves={len(params0)}{' (all 1-D)' * args.flat} "
+          f"params={n_params / 1e6:.3f}M leaves={len(params0)}"
+          f"{' (all 1-D)' * (args.flat and not args.equal)}{' (1-D, one size)' * args.equal} "
           f"rounds={args.rounds} "
           f"steps/round={args.steps}")
     print(f"bare optax.adam median step: {base['sync'] * 1e3:.3f} ms (block every step), "

@@ -65,9 +65,9 @@ class Failure(enum.IntEnum):
         that reached the step without validation: an unchecked restore, pickle,
         ``tree_unflatten``).
       TOO_MANY_SKIPS: ``max_consecutive_skips`` steps in a row were skipped.
-      NONFINITE_LOSS: the ``loss=`` given to the update was not finite on the
-        ``max_nonfinite_losses``-th skipped step in a row: the forward pass itself keeps
-        failing, which no loss scale can fix.
+      NONFINITE_LOSS: the ``loss=`` given to the update was not finite on
+        ``max_nonfinite_losses`` steps in a row: the forward pass itself keeps failing,
+        which no loss scale can fix.
     """
 
     NONE = 0
@@ -111,7 +111,7 @@ TOO_MANY_SKIPS = (
 )
 
 NONFINITE_LOSS = (
-    "the loss was not finite (inf/NaN) on the last of {count} consecutive skipped steps "
+    "the loss was not finite (inf/NaN) on {count} consecutive steps "
     "(with_loss_scaling's max_nonfinite_losses; the loss scale is {scale!r}), so " + _STOPS
     + ". The loss is computed before it is scaled: the forward pass itself fails (a float16 "
     "overflow, a log of 0, a bad batch), which no loss scale can fix. " + _FIND_OVERFLOW
@@ -152,7 +152,7 @@ SCALER_TOO_MANY_SKIPS = (
 
 SCALER_NONFINITE_LOSS = (
     "the run stopped: the loss given to the optimizer wrapper was not finite on "
-    "max_nonfinite_losses consecutive skipped steps (the loss scale is now {scale!r}); the "
+    "max_nonfinite_losses consecutive steps (the loss scale is now {scale!r}); the "
     "forward pass itself fails, which no loss scale can fix. " + _FIND_OVERFLOW + "."
 )
 

@@ -38,11 +38,24 @@ gradients of a float16 model stay below 65504, so its true gradients would all b
 1,300 steps at the defaults on a small quadratic)."""
 
 
-def scale_suspicious(clean_growths: Any, loss_scale: Any) -> Any:
+SUSPICIOUS_GRAD_MAX = 2.0**-48
+"""With ``growth="headroom"``, a scale past :data:`SUSPICIOUS_SCALE_LIMIT` is suspicious
+only while the largest gradient the rule recorded (unscaled) is at most this: the rule
+derives the scale from that measurement, and a wide ``headroom_dtype`` (bfloat16,
+float32) takes ordinary gradients far past ``2**64``. A forgotten scale shows as the
+recorded maxima falling with every growth (the gradients do not follow the scale)."""
+
+
+def scale_suspicious(clean_growths: Any, loss_scale: Any,
+                     grad_max_window: Any = None) -> Any:
     """The mis-use detector (in-graph or on the host, elementwise): many growths in a row
-    without an overflow, or any that took the scale past :data:`SUSPICIOUS_SCALE_LIMIT`."""
-    return (clean_growths >= SUSPICIOUS_GROWTHS) | (
-        (clean_growths > 0) & (loss_scale >= SUSPICIOUS_SCALE_LIMIT))
+    without an overflow, or any that took the scale past :data:`SUSPICIOUS_SCALE_LIMIT`
+    (with ``growth="headroom"``, whose ``grad_max_window`` is given, only while it is at
+    most :data:`SUSPICIOUS_GRAD_MAX`)."""
+    large = (clean_growths > 0) & (loss_scale >= SUSPICIOUS_SCALE_LIMIT)
+    if grad_max_window is not None:
+        large = large & (grad_max_window <= SUSPICIOUS_GRAD_MAX)
+    return (clean_growths >= SUSPICIOUS_GROWTHS) | large
 
 
 METRICS_OF_A_SCALER = (
@@ -63,7 +76,8 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
     Returns:
       ``loss_scale``, ``growth_tracker`` (0 unless dynamic); the counters
       ``skipped_steps``, ``consecutive_skips``, ``nonfinite_loss_steps`` (skips caused by
-      a non-finite ``loss=``), ``replays`` and ``last_step_replays`` (``max_replays``);
+      a non-finite ``loss=``) and ``consecutive_nonfinite_losses`` (those in a row, what
+      ``max_nonfinite_losses`` counts), ``replays`` and ``last_step_replays`` (``max_replays``);
       ``last_step_applied``; ``nonfinite_grad_leaves`` (leaves non-finite on the last
       skipped step); ``failed`` and ``failure`` (the :class:`loss_scaling.Failure` code
       :func:`check` raises); ``clean_growths`` and ``scale_suspicious`` (the mis-use
@@ -82,8 +96,9 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
       >>> {k: v.item() for k, v in ls.metrics(opt_state).items()}  # doctest: +NORMALIZE_WHITESPACE
       {'loss_scale': 32768.0, 'growth_tracker': 0, 'skipped_steps': 0,
        'consecutive_skips': 0, 'last_step_applied': True, 'nonfinite_loss_steps': 0,
-       'nonfinite_grad_leaves': 0, 'failed': False, 'failure': 0, 'clean_growths': 0,
-       'scale_suspicious': False, 'grad_norm': 0.0, 'replays': 0, 'last_step_replays': 0}
+       'consecutive_nonfinite_losses': 0, 'nonfinite_grad_leaves': 0, 'failed': False,
+       'failure': 0, 'clean_growths': 0, 'scale_suspicious': False, 'grad_norm': 0.0,
+       'replays': 0, 'last_step_replays': 0}
     """
     if isinstance(opt_state, SCALER_TYPES):
         raise TypeError(METRICS_OF_A_SCALER.format(what=type(opt_state).__name__))
@@ -98,12 +113,14 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
         "consecutive_skips": state.consecutive_skips,
         "last_step_applied": state.last_step_applied,
         "nonfinite_loss_steps": state.nonfinite_loss_steps,
+        "consecutive_nonfinite_losses": state.consecutive_nonfinite_losses,
         "nonfinite_grad_leaves": jnp.sum(state.nonfinite_grads, axis=-1, dtype=jnp.int32),
         "failed": state.failure != _errors.Failure.NONE,
         "failure": state.failure,
         "clean_growths": state.clean_growths,
         "scale_suspicious": scale_suspicious(state.clean_growths,
-                                             jnp.asarray(scaler.loss_scale)),
+                                             jnp.asarray(scaler.loss_scale),
+                                             _window_max(scaler)),
         "grad_norm": state.grad_norm,
         "replays": state.replays,
         "last_step_replays": state.last_step_replays,
@@ -112,13 +129,19 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
     }
 
 
+def _window_max(scaler: Any) -> jax.Array | None:
+    """``growth="headroom"`` only: the largest unscaled max |g| in the rule's window."""
+    history = getattr(scaler, "grad_max_history", None)
+    return None if history is None else jnp.max(history, axis=-1)
+
+
 def _headroom_metrics(scaler: Any) -> dict[str, jax.Array]:
     """``growth="headroom"`` only: the recent maximum, the room it leaves, the ceiling."""
-    if getattr(scaler, "grad_max_history", None) is None:
+    peak = _window_max(scaler)
+    if peak is None:
         return {}
     config = scaler.config
     dtype = "float16" if config is None else config.headroom_dtype
-    peak = jnp.max(scaler.grad_max_history, axis=-1)
     limit = jnp.float32(jnp.finfo(jnp.dtype(dtype)).max)
     return {
         "grad_max_window": peak,
@@ -273,8 +296,9 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
 
     Warns:
       LossScaleWarning: if the scale grew :data:`SUSPICIOUS_GROWTHS` (20) times in a row,
-        or past ``2**64``, without an overflow: a loss that was not scaled, or a model
-        that needs no scaling (the fallback for what the trace-time check of
+        or past ``2**64`` (with ``growth="headroom"``: while the gradients it measured
+        are at most ``2**-48``), without an overflow: a loss that was not scaled, or a
+        model that needs no scaling (the fallback for what the trace-time check of
         :mod:`loss_scaling.wrapper.provenance` cannot see).
 
     Examples:
@@ -307,9 +331,10 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
     refuse_misplaced_wrapper(state)
     wrapper = _get_wrapper_state(state, path)
     scaler = wrapper.scaler
-    failure, growths, scale = _read_once((
+    failure, growths, scale, history = _read_once((
         wrapper.failure, wrapper.clean_growths,
-        None if isinstance(scaler, NoOpLossScale) else scaler.loss_scale))
+        None if isinstance(scaler, NoOpLossScale) else scaler.loss_scale,
+        getattr(scaler, "grad_max_history", None)))
     failure = _failure_code(failure, scale)  # the wrapper's register: the one a step reads
     if np.any(failure != _errors.Failure.NONE):
         names = None if params is None else key_path_names(differentiated(params))
@@ -323,7 +348,8 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
                 f"{float(np.asarray(scaler.loss_scale))!r}). {_NO_CONFIG} For the full "
                 "message, call check on the optimizer.")
         raise _errors.LossScaleError(wrapper_failure_message(failed, names))
-    if scale is not None and np.any(scale_suspicious(growths, scale)):
+    window_max = None if history is None else np.max(history, axis=-1)
+    if scale is not None and np.any(scale_suspicious(growths, scale, window_max)):
         now = float(_host(jnp.asarray(wrapper.scaler.loss_scale)).reshape(-1)[0])
         warnings.warn(_errors.SUSPICIOUS_SCALE.format(growths=int(np.max(growths)),
                                                       scale=now), _errors.LossScaleWarning,

@@ -247,6 +247,69 @@ def test_an_unscaled_loss_makes_the_scale_suspicious_and_check_warns(path):
     ls.check(opt_state)
 
 
+def headroom_run(dtype, scaled, gradient=1e-3, steps=6):
+    """A headroom run (a window of 1) of a loss whose gradients are ``gradient``:
+    differentiated through ``ls.value_and_grad`` (``scaled``) or with ``jax.grad``
+    (the scale forgotten), with ``ls.check`` after every step (warnings are errors)."""
+    tx = ls.with_loss_scaling(optax.sgd(1e-3), ls.DynamicLossScale(
+        growth="headroom", headroom_window=1, headroom_dtype=dtype))
+    params = {"w": jnp.ones(3)}
+    opt_state = tx.init(params)
+
+    def loss_fn(p):
+        return jnp.sum(p["w"]) * gradient
+
+    @jax.jit
+    def step(params, opt_state):
+        if scaled:
+            _, grads = ls.value_and_grad(loss_fn)(opt_state, params)
+        else:  # what the trace-time check warns about: the run-time fallback's case
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ls.LossScaleWarning)
+                grads = jax.grad(loss_fn)(params)
+                return ls.apply_gradients(tx, grads, opt_state, params)
+        return ls.apply_gradients(tx, grads, opt_state, params)
+
+    seen = []
+    for _ in range(steps):
+        params, opt_state = step(params, opt_state)
+        m = ls.metrics(opt_state)
+        seen.append((float(m["loss_scale"]), bool(m["scale_suspicious"])))
+    return opt_state, seen
+
+
+@pytest.mark.parametrize("gradient", [1e-3, 1e-12, 1e3])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_headroom_growth_past_2_64_with_a_wide_dtype_is_not_suspicious(dtype, gradient):
+    """Issue 42, item 12: with headroom_dtype bfloat16 or float32 the headroom rule grows,
+    as designed, far past 2**64 (here to float32's top) from the measured gradients of a
+    scaled loss; ls.check warned on every call. A scale that follows the measured
+    gradients is no mis-use."""
+    opt_state, seen = headroom_run(dtype, scaled=True, gradient=gradient)
+    assert all(scale >= 2.0**64 for scale, _ in seen)
+    assert not any(suspicious for _, suspicious in seen)
+    ls.check(opt_state)  # no warning (filterwarnings = error)
+
+
+def test_headroom_growth_with_float16_stays_low_and_is_not_suspicious():
+    opt_state, seen = headroom_run("float16", scaled=True)
+    assert seen[-1] == (2.0**21, False)  # 65504 / 16 / 1e-3, a power of two
+    ls.check(opt_state)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+def test_headroom_growth_on_a_forgotten_scale_is_still_suspicious(dtype):
+    """The scale grows but the gradients do not follow it: the maxima the rule records
+    (the gradients divided by the scale) fall below 2**-48, which no gradient of a model
+    that needs a scale past 2**64 is. With a wide dtype the first growth goes to
+    float32's top; the window's next entry, recorded at that scale, gives it away."""
+    opt_state, seen = headroom_run(dtype, scaled=False)
+    assert seen[-1][0] >= 2.0**64 and seen[-1][1]
+    assert not seen[0][1]  # not before the rule has seen the scale run away
+    with pytest.warns(ls.LossScaleWarning, match="without a single overflow"):
+        ls.check(opt_state)
+
+
 def test_a_scaled_loss_overflows_and_is_never_suspicious():
     tx = ls.with_loss_scaling(optax.sgd(1e-3), ls.DynamicLossScale(init_scale=1.0,
                                                                    growth_interval=1))

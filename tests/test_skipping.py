@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import functools
 import re
+from typing import NamedTuple
 
 import chex
 import doc_blocks
@@ -21,6 +22,8 @@ import numpy as np
 import optax
 import pytest
 from bitwise import assert_bit_identical, bits
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from step_paths import DONATING_JIT, EAGER_OR_DONATING_JIT, PATHS, step_by
 
 import loss_scaling as ls
@@ -299,6 +302,75 @@ def test_nonfinite_loss_skips_and_is_counted(maybe_jit, path, mode, bad_grads):
     m = ls.metrics(opt_state)
     assert (int(m["nonfinite_loss_steps"]), int(m["skipped_steps"])) == (1, 2)
     assert float(m["loss_scale"]) == (512.0 if mode == "skip" else 256.0)
+
+
+class Counters(NamedTuple):
+    """The wrapper's counters as the docs define them (a pure-Python reference model)."""
+
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+    nonfinite_loss_steps: int = 0
+    consecutive_nonfinite_losses: int = 0
+    failure: int = 0
+    failure_skips: int = 0
+
+
+def model_counters(m: Counters, grads_finite: bool, loss_finite: bool,
+                   max_consecutive_skips: int | None,
+                   max_nonfinite_losses: int | None) -> Counters:
+    """One step: applied iff healthy, the gradients and the loss finite; a skip counts in
+    a row until an applied step; a non-finite loss counts in a row until a finite one;
+    the first limit reached (the skips', then the losses') fails the run for good."""
+    applied = m.failure == 0 and grads_finite and loss_finite
+    m = m._replace(skipped_steps=m.skipped_steps + (not applied),
+                   consecutive_skips=0 if applied else m.consecutive_skips + 1,
+                   nonfinite_loss_steps=m.nonfinite_loss_steps + (not loss_finite),
+                   consecutive_nonfinite_losses=(0 if loss_finite
+                                                 else m.consecutive_nonfinite_losses + 1))
+    if m.failure:
+        return m
+    if max_consecutive_skips is not None and m.consecutive_skips >= max_consecutive_skips:
+        return m._replace(failure=int(ls.Failure.TOO_MANY_SKIPS),
+                          failure_skips=m.consecutive_skips)
+    if max_nonfinite_losses is not None and \
+            m.consecutive_nonfinite_losses >= max_nonfinite_losses:
+        return m._replace(failure=int(ls.Failure.NONFINITE_LOSS),
+                          failure_skips=m.consecutive_nonfinite_losses)
+    return m
+
+
+@settings(max_examples=20, deadline=None)  # each example compiles its step
+@given(steps=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=24),
+       max_consecutive_skips=st.one_of(st.none(), st.integers(1, 8)),
+       max_nonfinite_losses=st.one_of(st.none(), st.integers(1, 5)),
+       nonfinite_loss=st.sampled_from(["backoff", "skip"]),
+       path=st.sampled_from(["plain", "fused"]))
+@example(steps=[(False, True)] * 15 + [(False, False)], max_consecutive_skips=None,
+         max_nonfinite_losses=16, nonfinite_loss="backoff", path="fused")
+def test_the_counters_follow_the_reference_model(steps, max_consecutive_skips,
+                                                 max_nonfinite_losses, nonfinite_loss, path):
+    """Scripted steps of (gradients finite, loss finite) against :func:`model_counters`;
+    a skipped step leaves the params bit-identical. The example is issue 42's (item 2):
+    fifteen overflows with a finite loss, then one NaN loss, must not fail the run."""
+    tx = ls.with_loss_scaling(optax.sgd(0.5), ls.StaticLossScale(4.0),
+                              max_consecutive_skips=max_consecutive_skips,
+                              max_nonfinite_losses=max_nonfinite_losses,
+                              nonfinite_loss=nonfinite_loss)
+    params = jnp.array([1.0, -2.0])
+    opt_state = tx.init(params)
+    step = jax.jit(step_by(tx, path))
+    m = Counters()
+    for i, (grads_finite, loss_finite) in enumerate(steps):
+        grads = jnp.array([4.0, 8.0] if grads_finite else [4.0, INF])
+        before = bits(params)
+        params, opt_state = step(grads, opt_state, params,
+                                 loss=jnp.float32(1.0 if loss_finite else NAN))
+        m = model_counters(m, grads_finite, loss_finite, max_consecutive_skips,
+                           max_nonfinite_losses)
+        got = Counters(*(int(getattr(opt_state, name)) for name in Counters._fields))
+        assert got == m, f"after step {i} of {steps}"
+        if m.consecutive_skips:
+            assert_bit_identical(before, params)
 
 
 @pytest.mark.parametrize("mode, trackers", [("skip", (0, 0)), ("backoff", (0, 1))])

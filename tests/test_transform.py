@@ -589,14 +589,16 @@ def test_metrics_are_arrays_with_documented_keys(maybe_jit, scaler, tracker):
     m = maybe_jit(ls.metrics)(opt_state)
     assert set(m) == {"loss_scale", "growth_tracker", "skipped_steps", "consecutive_skips",
                       "last_step_applied", "nonfinite_loss_steps",
-                      "nonfinite_grad_leaves", "failed", "failure", "clean_growths",
+                      "consecutive_nonfinite_losses", "nonfinite_grad_leaves", "failed",
+                      "failure", "clean_growths",
                       "scale_suspicious", "grad_norm", "replays", "last_step_replays"}
     for value in m.values():
         assert isinstance(value, jax.Array) and value.shape == ()
     assert {k: v.dtype for k, v in m.items()} == {
         "loss_scale": jnp.float32, "growth_tracker": jnp.int32, "skipped_steps": jnp.int32,
         "consecutive_skips": jnp.int32, "last_step_applied": jnp.bool_,
-        "nonfinite_loss_steps": jnp.int32, "nonfinite_grad_leaves": jnp.int32,
+        "nonfinite_loss_steps": jnp.int32, "consecutive_nonfinite_losses": jnp.int32,
+        "nonfinite_grad_leaves": jnp.int32,
         "failed": jnp.bool_, "failure": jnp.int32, "clean_growths": jnp.int32,
         "scale_suspicious": jnp.bool_, "grad_norm": jnp.float32, "replays": jnp.int32,
         "last_step_replays": jnp.int32}

@@ -299,8 +299,8 @@ def test_a_loss_that_stays_nonfinite_fails_the_run_early_and_names_the_forward_p
     params, opt_state = _run_nonfinite_losses(tx, 15, jax.jit)
     ls.check(opt_state)  # 15 in a row: not yet
     params, opt_state = _run_nonfinite_losses(tx, 16, jax.jit)
-    with pytest.raises(ls.LossScaleError, match=r"loss was not finite \(inf/NaN\) on the last "
-                                                r"of 16 consecutive.*forward pass.*"
+    with pytest.raises(ls.LossScaleError, match=r"loss was not finite \(inf/NaN\) on 16 "
+                                                r"consecutive steps.*forward pass.*"
                                                 r"find_overflow"):
         ls.check(opt_state)
     assert int(opt_state.failure) == ls.Failure.NONFINITE_LOSS
@@ -319,7 +319,7 @@ def test_a_loss_that_stays_nonfinite_fails_the_run_early_and_names_the_forward_p
 def test_eagerly_it_raises_at_the_step_that_fails():
     tx = ls.with_loss_scaling(optax.sgd(0.1), max_nonfinite_losses=3)
     _run_nonfinite_losses(tx, 2, lambda f: f)
-    with pytest.raises(ls.LossScaleError, match="on the last of 3 consecutive"):
+    with pytest.raises(ls.LossScaleError, match="on 3 consecutive steps"):
         _run_nonfinite_losses(tx, 3, lambda f: f)
 
 
@@ -336,6 +336,39 @@ def test_overflowing_gradients_with_a_finite_loss_do_not_trigger_it():
                               nonfinite_loss="skip")
     _, opt_state = _run_nonfinite_losses(tx, 40, jax.jit)
     ls.check(opt_state)
+
+
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_overflow_skips_before_a_nonfinite_loss_do_not_count_towards_it(maybe_jit):
+    """Issue 42, item 2: fifteen overflow skips with a finite loss, then one NaN loss,
+    ended the run as NONFINITE_LOSS (every skip in the streak was counted). What counts
+    is the losses: consecutive steps whose loss= is non-finite."""
+    tx = ls.with_loss_scaling(optax.sgd(0.1), ls.DynamicLossScale(min_scale=1.0))
+    params = jnp.array([1.0, 2.0])
+    opt_state = tx.init(params)
+    step = maybe_jit(lambda g, s, p, loss: ls.apply_gradients(tx, g, s, p, loss=loss))
+    overflow = jnp.array([jnp.inf, 1.0])
+    for _ in range(15):
+        params, opt_state = step(overflow, opt_state, params, jnp.float32(1.0))
+    for n in range(1, 16):
+        params, opt_state = step(overflow, opt_state, params, jnp.float32(NAN))
+        assert int(opt_state.consecutive_nonfinite_losses) == n
+        assert int(opt_state.consecutive_skips) == 15 + n
+        ls.check(opt_state)
+    # A finite loss ends the streak, though the step is still skipped for its gradients.
+    params, opt_state = step(overflow, opt_state, params, jnp.float32(1.0))
+    assert int(opt_state.consecutive_nonfinite_losses) == 0
+    ls.check(opt_state)
+    for _ in range(15):
+        params, opt_state = step(overflow, opt_state, params, jnp.float32(NAN))
+    ls.check(opt_state)
+    if maybe_jit is jax.jit:
+        params, opt_state = step(overflow, opt_state, params, jnp.float32(NAN))
+        with pytest.raises(ls.LossScaleError, match="not finite .* on 16 consecutive steps"):
+            ls.check(opt_state)
+    else:
+        with pytest.raises(ls.LossScaleError, match="not finite .* on 16 consecutive steps"):
+            step(overflow, opt_state, params, jnp.float32(NAN))
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "16"])

@@ -1,5 +1,5 @@
 """The numerics of one step, with the argument for each shortcut next to its code: which
-leaves, the reciprocal (:func:`reciprocal`), finiteness (:func:`_bounded_sum`), the CPU
+leaves, the reciprocal (:func:`reciprocal`), finiteness (:func:`_difference_sum`), the CPU
 screen (:func:`sum_screen`), small leaves together (:func:`leaf_groups`), the step's one
 read (:func:`finite_leaves`). XLA CPU compiles each distinct kernel on its own, so the step
 keeps their number down (``benchmarks/compile_time.py`` measures it).
@@ -7,6 +7,7 @@ keeps their number down (``benchmarks/compile_time.py`` measures it).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -174,40 +175,39 @@ def _and_over_axes(flags: jax.Array, axis_name: AxisName) -> jax.Array:
     return lax.pmin(flags.astype(jnp.int32), axis_name) == 1
 
 
-def _bounded_sum(y: jax.Array) -> jax.Array:
-    """``sum(|y| * 2**-k)``, with ``2**k >= 2 * (entries)``: finite iff every entry is.
+def _difference_sum(y: jax.Array) -> jax.Array:
+    """``sum(y - y)`` in the compute dtype: 0 if every entry is finite, else NaN.
 
-    An inf or NaN entry makes the sum inf or NaN, also across devices (a cross-device
-    *max* drops NaN on XLA CPU); and since each term is at most ``max / (2 * entries)``,
-    finite entries can never add up to an overflow. A sum of magnitudes is also the
-    reduction XLA on CPU fuses with its elementwise producers (the unscale) into one
-    read, where a boolean ``all(isfinite(...))`` materializes a mask the size of the leaf.
-
-    A complex leaf's imaginary part is shrunk by one more power of two than its real part:
-    with one factor, XLA factors ``|re| * c + |im| * c`` of a one-entry leaf into
-    ``(|re| + |im|) * c``, which overflows for two parts near float32's max.
+    IEEE arithmetic makes ``y - y`` exactly 0 for a finite entry and NaN for an inf or a
+    NaN (XLA does not fold it: it is not 0 for those); a sum of zeros is 0, and a NaN
+    term makes any sum NaN, whatever the order of the reduction (a *max* may drop NaN:
+    XLA CPU's vectorized max does). So the sum is finite iff every entry is, and finite
+    entries cannot add up to an overflow. The reduction has no constant operand: XLA CPU
+    materializes the broadcast of a scalar that several reductions of one shape share (a
+    leaf-sized buffer each), and it fuses the elementwise producers (the unscale) into
+    the one read. A complex leaf counts both parts (``re - re + im - im``).
     """
-    parts = [jnp.real(y), jnp.imag(y)] if jnp.issubdtype(y.dtype, jnp.complexfloating) else [y]
     compute = compute_dtype(y.dtype)
-    k = max(1, int(np.ceil(np.log2(2 * max(1, len(parts) * y.size)))))
-    return sum((jnp.sum(jnp.abs(p.astype(compute)) * jnp.asarray(2.0**-(k + i), compute),
-                        dtype=compute) for i, p in enumerate(parts)),
-               jnp.zeros((), compute))
+    if jnp.issubdtype(y.dtype, jnp.complexfloating):
+        re, im = jnp.real(y).astype(compute), jnp.imag(y).astype(compute)
+        return jnp.sum((re - re) + (im - im), dtype=compute)
+    y = y.astype(compute)
+    return jnp.sum(y - y, dtype=compute)
 
 
-def unscaled_bounded_sum(x: Any, inverse: Reciprocal | None) -> jax.Array:
-    """:func:`_bounded_sum` of one floating leaf unscaled as :func:`unscale` computes it:
-    finite iff every unscaled entry is. Several leaves' sums stacked take one
+def unscaled_difference_sum(x: Any, inverse: Reciprocal | None) -> jax.Array:
+    """:func:`_difference_sum` of one floating leaf unscaled as :func:`unscale` computes
+    it: finite iff every unscaled entry is. Several leaves' sums stacked take one
     ``isfinite`` kernel, not one each."""
     x = jnp.asarray(x)
-    return _bounded_sum(x if inverse is None else unscale_leaf(x, inverse))
+    return _difference_sum(x if inverse is None else unscale_leaf(x, inverse))
 
 
 def unscaled_finite_leaves(
     tree: Any, inverse: Reciprocal | None, axis_name: AxisName = None
 ) -> tuple[jax.Array, jax.Array]:
     """Per floating leaf, ``all(isfinite(unscale_leaf(x)))`` (the definition of a finite
-    step), read from the scaled values by :func:`_bounded_sum`: the unscaled tree is never
+    step), read from the scaled values by :func:`_difference_sum`: the unscaled tree is never
     materialized. ``inverse=None`` (no scaling) tests the leaves as they are; the
     ``axis_name`` collective is a ``pmin`` of one int32 per leaf.
 
@@ -215,7 +215,7 @@ def unscaled_finite_leaves(
       ``(flags, finite)``: a bool vector with one entry per leaf of ``tree``, in
       ``jax.tree.leaves`` order (``True`` for integer and bool leaves), and their AND.
     """
-    flags = [jnp.isfinite(unscaled_bounded_sum(x, inverse)) if is_floating(x)
+    flags = [jnp.isfinite(unscaled_difference_sum(x, inverse)) if is_floating(x)
              else jnp.asarray(True) for x in jax.tree.leaves(tree)]
     if not flags:
         return jnp.ones((0,), jnp.bool_), jnp.asarray(True)
@@ -341,20 +341,27 @@ def all_rows(flags: jax.Array) -> jax.Array:
     return jnp.min(flags.astype(jnp.int8), axis=-1) == 1
 
 
-def unscaled_group_finite(vector: jax.Array, sizes: Sequence[int] | None,
-                          inverse: Reciprocal | None) -> jax.Array:
-    """Per leaf of a group, whether it is all finite unscaled (a bool vector), from the
-    group's :func:`group_vector` and, for a joined group, its leaves' sizes in order
-    (``None`` for one leaf read in place).
+Factors = tuple[jax.Array, jax.Array] | None
+"""A :class:`Reciprocal`'s two scalars (``lifted``, ``unlift``) handed to a conditional as
+two operands: sliced once outside, not once in each branch; ``None``: no scaling."""
 
-    A large leaf is one fused reduction; a joined group is unscaled element by element
-    (one dtype, so exactly as each leaf alone) and its flags gathered per leaf by one
-    segment reduction: a few kernels for any number of small leaves and sizes (one
-    reduction per run of equal sizes: 4x slower to compile with 28 sizes in 40 leaves).
+
+def _unscaled(x: jax.Array, factors: Factors) -> jax.Array:
+    """:func:`unscale_leaf` by the reciprocal's two scalars (``None``: ``x`` itself)."""
+    return x if factors is None else _times(x, *factors, True)
+
+
+def unscaled_group_finite(vector: jax.Array, sizes: Sequence[int],
+                          factors: Factors) -> jax.Array:
+    """Per leaf of a joined group, whether it is all finite unscaled (a bool vector), from
+    the group's :func:`group_vector` and its leaves' sizes in order.
+
+    The vector is unscaled element by element (one dtype, so exactly as each leaf alone)
+    and its flags gathered per leaf by one segment reduction: a few kernels for any number
+    of small leaves and sizes (one reduction per run of equal sizes: 4x slower to compile
+    with 28 sizes in 40 leaves).
     """
-    if sizes is None:
-        return jnp.isfinite(unscaled_bounded_sum(vector, inverse))[None]
-    finite = jnp.isfinite(vector if inverse is None else unscale_leaf(vector, inverse))
+    finite = jnp.isfinite(_unscaled(vector, factors))
     segments = jnp.asarray(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes))
     return jax.ops.segment_min(finite.astype(jnp.int8), segments, len(sizes),
                                indices_are_sorted=True) == 1
@@ -442,6 +449,13 @@ def agree(flags: jax.Array, squares: jax.Array, axis_name: AxisName,
     return (every[:n] == 1, *(-every[n + i] for i in range(len(maxima))))
 
 
+def replica_max(peak: jax.Array, axis_name: AxisName) -> jax.Array:
+    """The largest float32 ``peak`` over the replicas, a NaN read as +inf: one ``pmin``
+    of ``-peak`` (a max over replicas drops NaN on XLA CPU), as :func:`agree` reads it."""
+    peak = jnp.where(jnp.isnan(peak), jnp.inf, peak)
+    return peak if axis_name is None else -lax.pmin(-peak, axis_name)
+
+
 def group_peak(x: jax.Array) -> jax.Array:
     """The largest ``|entry|`` of a group's vector as float32 (complex: the modulus), as
     :func:`loss_scaling.grads_max` computes it. Not the root of the largest square, which
@@ -501,7 +515,7 @@ def finite_leaves(grads: Any, inverse: Reciprocal | None, axis_name: AxisName,
     all_cleared = all_cleared[0]
 
     def exact(_: Any) -> tuple[jax.Array, jax.Array]:
-        return _exact_flags(leaves, groups, vectors, inverse, axis_name)
+        return _exact_flags(leaves, groups, vectors, cleared, inverse, axis_name)
 
     n = len(leaves)
     flags, finite = skip_cond(all_cleared,
@@ -514,32 +528,41 @@ def finite_leaves(grads: Any, inverse: Reciprocal | None, axis_name: AxisName,
 
 
 def _exact_flags(leaves: list[Any], groups: list[LeafGroup], vectors: list[jax.Array],
-                 inverse: Reciprocal | None,
+                 cleared: list[jax.Array], inverse: Reciprocal | None,
                  axis_name: AxisName) -> tuple[jax.Array, jax.Array]:
     """The branch :func:`finite_leaves` takes when the screen did not clear every group:
     the exact test per leaf (in leaf order, agreed over ``axis_name``) and their AND.
 
-    Kept small, because XLA compiles every kernel of it, taken or not: a large leaf is
-    one fused reduction (:func:`unscaled_bounded_sum`; not stacked with leaves of its
-    shape: the stack is a copy), their sums take one ``isfinite``, and a joined group's
-    vector (the one the screen read) one segment reduction. It rereads every group on a
-    step that is skipped anyway: a conditional per leaf, to reread only what overflowed,
-    cost four kernels a leaf (``benchmarks/train_step_compile.py --counts``). One static
-    permutation puts the flags in leaf order.
+    Each group is tested under a conditional of its own, taken only where the screen did
+    not clear it: a large leaf by one fused reduction (a :func:`_difference_sum` of it
+    unscaled, float32), a joined group by :func:`unscaled_group_finite` on the vector the
+    screen read. A group the screen cleared is finite without a second read, so a skipped
+    step rereads about what overflowed, not the whole model. The conditionals also keep
+    the scratch memory flat: in one computation, XLA CPU shares the broadcast of each
+    reciprocal factor between the reductions of every leaf of one shape and keeps it as
+    a buffer of that shape (5.73 MiB at 20M params in 40 leaves, 11.4 MiB at 4M in 4);
+    in a branch of its own the broadcast has one reader and is fused into it. The cost is
+    to compile: a conditional and a few kernels a group (its predicate; the reciprocal's
+    two scalars are sliced once, outside), where the reread is one fused reduction in any
+    case (a 12-layer GPT's train step: 2,279 kernels and 32 conditionals, against 2,243
+    and 2 with every group reread in one computation; ``benchmarks/train_step_compile.py
+    --counts``). The large leaves' sums take one ``isfinite``; one static permutation
+    puts the flags in leaf order.
     """
-    sums: dict[Any, list[tuple[LeafGroup, jax.Array]]] = {}
-    for group in groups:
-        if not group.joined:  # one stack per compute dtype: a cast could overflow
-            x = unscaled_bounded_sum(leaves[group.indices[0]], inverse)
-            sums.setdefault(x.dtype, []).append((group, x))
-    large = [group for pairs in sums.values() for group, _ in pairs]
-    parts = [jnp.isfinite(jnp.stack([x for _, x in pairs])) for pairs in sums.values()]
-    joined = [group for group in groups if group.joined]
-    for group, vector in zip(groups, vectors, strict=True):
+    factors = None if inverse is None else (inverse.lifted, inverse.unlift)
+    sums, joined_flags = [], []
+    for group, vector, ok in zip(groups, vectors, cleared, strict=True):
         if group.joined:
             sizes = [int(np.size(leaves[i])) for i in group.indices]
-            parts.append(unscaled_group_finite(vector, sizes, inverse))
-    ungrouped, permutation = leaf_order(large + joined, len(leaves))
+            joined_flags.append(skip_cond(ok, functools.partial(_all_true, len(sizes)),
+                                          functools.partial(_group_flags, sizes),
+                                          (vector, factors)))
+        else:
+            sums.append(skip_cond(ok, _zero, _leaf_sum, (vector, factors)))
+    parts = ([jnp.isfinite(jnp.stack(sums))] if sums else []) + joined_flags
+    ordered = ([group for group in groups if not group.joined]
+               + [group for group in groups if group.joined])
+    ungrouped, permutation = leaf_order(ordered, len(leaves))
     if ungrouped:  # integer, bool and empty leaves: always finite
         parts.append(jnp.ones((ungrouped,), jnp.bool_))
     stacked = jnp.concatenate(parts)
@@ -547,6 +570,22 @@ def _exact_flags(leaves: list[Any], groups: list[LeafGroup], vectors: list[jax.A
         stacked = stacked[permutation]
     stacked = _and_over_axes(stacked, axis_name)
     return stacked, all_rows(stacked)
+
+
+def _leaf_sum(operands: tuple[jax.Array, Factors]) -> jax.Array:
+    return _difference_sum(_unscaled(*operands)).astype(jnp.float32)
+
+
+def _group_flags(sizes: list[int], operands: tuple[jax.Array, Factors]) -> jax.Array:
+    return unscaled_group_finite(operands[0], sizes, operands[1])
+
+
+def _zero(_: Any) -> jax.Array:
+    return jnp.zeros((), jnp.float32)
+
+
+def _all_true(n: int, _: Any) -> jax.Array:
+    return jnp.ones((n,), jnp.bool_)
 
 
 def _exact_test(grads: Any, inverse: Reciprocal | None, axis_name: AxisName,
@@ -568,10 +607,7 @@ def _read_max(vectors: list[jax.Array], groups: list[LeafGroup],
     """On CPU: the max |entry| in a pass of its own under a conditional (0 unless
     ``read``), agreed over ``axis_name`` by its own ``pmin`` (NaN-safe)."""
     def read_max(_: Any) -> jax.Array:
-        peak = _peak(vectors)
-        if axis_name is not None:
-            peak = -lax.pmin(-jnp.where(jnp.isnan(peak), jnp.inf, peak), axis_name)
-        return peak
+        return replica_max(_peak(vectors), axis_name)
 
     if all(group.joined for group in groups):
         # Only small leaves, concatenated: a few small kernels on every step cost less

@@ -12,7 +12,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from loss_scaling.core.numerics import (
     AxisName,
@@ -22,6 +21,7 @@ from loss_scaling.core.numerics import (
     floating_leaves,
     is_floating,
     reciprocal,
+    replica_max,
     unscale_tree,
     unscaled_finite_leaves,
 )
@@ -159,8 +159,9 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames="axis_name")
 def _grads_max(tree: Any, axis_name: AxisName) -> jax.Array:
-    peak = _peak(floating_leaves(tree))
-    return peak if axis_name is None else lax.pmax(peak, axis_name)
+    # A max may drop a NaN (XLA CPU's vectorized max does): the finite test says inf.
+    finite = unscaled_finite_leaves(tree, None)[1]
+    return replica_max(jnp.where(finite, _peak(floating_leaves(tree)), jnp.inf), axis_name)
 
 
 def grads_max(tree: Any, axis_name: AxisName = None) -> jax.Array:
@@ -175,13 +176,16 @@ def grads_max(tree: Any, axis_name: AxisName = None) -> jax.Array:
         max is taken over the replicas too, so that every replica grows alike.
 
     Returns:
-      A float32 scalar array (inf or NaN if a leaf holds one).
+      A float32 scalar array: inf if a leaf holds an inf or a NaN (on any replica, with
+      ``axis_name``), as the step reads a NaN.
 
     Examples:
       >>> import jax.numpy as jnp
       >>> import loss_scaling as ls
       >>> ls.grads_max({"w": jnp.array([1.0, -3.0]), "step": jnp.int32(7)})
       Array(3., dtype=float32)
+      >>> ls.grads_max({"w": jnp.array([1.0, jnp.nan, -3.0])})
+      Array(inf, dtype=float32)
     """
     axis_name = tuple(axis_name) if isinstance(axis_name, list) else axis_name
     return _grads_max(tree, axis_name=axis_name)

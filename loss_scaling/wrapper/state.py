@@ -47,6 +47,10 @@ class LossScalingState(NamedTuple):
         0 exactly when the last step was applied (:attr:`last_step_applied`).
       nonfinite_loss_steps: int32, steps skipped because the ``loss`` passed to the
         update was itself non-finite (saturating).
+      consecutive_nonfinite_losses: int32, steps in a row whose ``loss`` was non-finite
+        (saturating): a step given a finite loss, or none, sets it to 0. What
+        ``max_nonfinite_losses`` counts (a forward pass that keeps failing), where
+        ``consecutive_skips`` also counts the gradient overflows before it.
       nonfinite_grads: bool vector with one entry per gradient leaf, in
         ``jax.tree.leaves`` order: ``True`` where that gradient leaf was non-finite on the
         most recent step skipped for its gradients (:func:`loss_scaling.nonfinite_grad_paths`
@@ -54,7 +58,9 @@ class LossScalingState(NamedTuple):
         (sharding specs for optimizer states) must not mistake it for params.
       failure: int32 :class:`loss_scaling.Failure` code, 0 while healthy. Once set it never
         changes: every later step is skipped and :func:`loss_scaling.check` raises.
-      failure_skips: int32, the consecutive skips when the run failed (0 while healthy).
+      failure_skips: int32, the count that ended the run: ``consecutive_skips`` when it
+        failed, or for ``Failure.NONFINITE_LOSS`` ``consecutive_nonfinite_losses``
+        (0 while healthy).
       clean_growths: int32, growths of the scale since the last non-finite step. Many in a
         row point at a loss that was not scaled, or a model that needs no scaling
         (``metrics(...)["scale_suspicious"]``, and a warning from :func:`loss_scaling.check`).
@@ -77,6 +83,7 @@ class LossScalingState(NamedTuple):
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
     nonfinite_loss_steps: jax.Array
+    consecutive_nonfinite_losses: jax.Array
     nonfinite_grads: jax.Array
     failure: jax.Array
     failure_skips: jax.Array
@@ -185,6 +192,7 @@ def initial_state(scaler: LossScale, inner_state: Any, n_grads: int,
         skipped_steps=jnp.zeros((), jnp.int32),
         consecutive_skips=jnp.zeros((), jnp.int32),
         nonfinite_loss_steps=jnp.zeros((), jnp.int32),
+        consecutive_nonfinite_losses=jnp.zeros((), jnp.int32),
         nonfinite_grads=jnp.zeros((n_grads,), jnp.bool_),
         failure=carried_failure(jnp.zeros((), jnp.int32), scaler),  # a failed scaler's
         failure_skips=jnp.zeros((), jnp.int32),

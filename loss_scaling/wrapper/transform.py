@@ -130,7 +130,8 @@ def with_loss_scaling(
         the update then needs ``value_fn=lambda params: loss_fn(params, batch)``
         (unscaled). An integer in [0, 64]; 0 (the default) compiles nothing.
       max_nonfinite_losses: the run fails (``Failure.NONFINITE_LOSS``) when the ``loss=``
-        is not finite on this many skipped steps in a row: the forward pass keeps
+        is not finite on this many steps in a row (``consecutive_nonfinite_losses``;
+        gradient overflows with a finite loss do not count): the forward pass keeps
         failing, which no scale fixes. 16 by default; ``None`` turns it off. Compiled only
         into steps given a ``loss=``.
 
@@ -451,9 +452,12 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
     if replay.enabled(options, state):
         stepped_scaler = replay.no_growth_after(decision.replays, state.scaler, stepped_scaler)
     consecutive_skips = _count(state.consecutive_skips, applied, reset=True)
+    nonfinite_losses = _count(state.consecutive_nonfinite_losses, decision.loss_finite,
+                              reset=True)
 
     failure, fails, new_scaler = _next_failure(options, state, stepped_scaler,
-                                               consecutive_skips, decision, loss_given)
+                                               consecutive_skips, nonfinite_losses, decision,
+                                               loss_given)
 
     # Growths since the last overflow (the mis-use detector), and the underflow statistics.
     grew = jnp.asarray(new_scaler.loss_scale) > jnp.asarray(state.scaler.loss_scale)
@@ -473,9 +477,12 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
         consecutive_skips=consecutive_skips,
         nonfinite_loss_steps=_count(state.nonfinite_loss_steps, decision.loss_finite,
                                     reset=False),
+        consecutive_nonfinite_losses=nonfinite_losses,
         nonfinite_grads=jnp.where(keep_flags, state.nonfinite_grads, ~decision.leaf_finite),
         failure=failure,
-        failure_skips=jnp.where(fails, consecutive_skips, state.failure_skips),
+        failure_skips=jnp.where(fails, jnp.where(failure == Failure.NONFINITE_LOSS,
+                                                 nonfinite_losses, consecutive_skips),
+                                state.failure_skips),
         clean_growths=clean_growths,
         underflow=underflow,
         grad_norm=decision.grad_norm,
@@ -498,7 +505,8 @@ def _stepped_scaler(scaler: LossScale, finite: jax.Array, grads_max: jax.Array |
 
 
 def _next_failure(options: WrapperOptions, state: LossScalingState, stepped_scaler: LossScale,
-                  consecutive_skips: jax.Array, decision: StepDecision,
+                  consecutive_skips: jax.Array, nonfinite_losses: jax.Array,
+                  decision: StepDecision,
                   loss_given: bool) -> tuple[jax.Array, jax.Array, LossScale]:
     """The failure code after this step, whether it is new, and the scaler to keep: the
     first failure wins and freezes the scaler. A dynamic scaler's own ``failure`` is
@@ -512,8 +520,8 @@ def _next_failure(options: WrapperOptions, state: LossScalingState, stepped_scal
             (failure == Failure.NONE) & (consecutive_skips >= options.max_consecutive_skips),
             Failure.TOO_MANY_SKIPS, failure)
     if loss_given and options.max_nonfinite_losses is not None:  # only with a loss=
-        loss_fails = ~decision.loss_finite & (consecutive_skips
-                                              >= options.max_nonfinite_losses)
+        # The losses in a row, not the skips: overflows before them are the scale's.
+        loss_fails = nonfinite_losses >= options.max_nonfinite_losses
         failure = jnp.where((failure == Failure.NONE) & loss_fails, Failure.NONFINITE_LOSS,
                             failure)
     failure = jnp.where(failed_before, state.failure, failure).astype(jnp.int32)

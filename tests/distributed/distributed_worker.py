@@ -748,6 +748,27 @@ def replay_scenarios() -> dict:
     return out
 
 
+def grads_max_scenarios() -> dict:
+    """ls.grads_max with axis_name under shard_map and pmap, one device's copy each: the
+    largest |entry| is 3.0 on device 0; device BAD_DEVICE holds a NaN, an inf or nothing
+    bad, in a 3-entry leaf and in a 100,000-entry one (where XLA CPU's own max drops a
+    NaN)."""
+    out: dict[str, Any] = {}
+    mesh = jax.make_mesh((N_DEVICES,), ("data",))
+    for size in (3, 100_000):
+        for name, bad in (("clean", 1.0), ("nan", np.nan), ("inf", np.inf)):
+            values = np.ones((N_DEVICES, size), np.float32)
+            values[0, -1] = 3.0
+            values[BAD_DEVICE, size // 2] = bad
+            f = jax.jit(jax.shard_map(lambda t: ls.grads_max(t, axis_name="data")[None],
+                                      mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+            arr = jax.device_put(values, NamedSharding(mesh, P("data")))
+            out[f"shard_map/{size}/{name}"] = host(f({"w": arr}))
+            g = jax.pmap(lambda t: ls.grads_max(t, axis_name="data"), axis_name="data")
+            out[f"pmap/{size}/{name}"] = host(g({"w": values}))
+    return out
+
+
 def headroom() -> dict:
     """growth="headroom" with a different gradient max on every device (one step, a
     window of 1): every device's copy of the scale, and the max the rule recorded."""
@@ -854,6 +875,7 @@ SCENARIOS: dict[str, Callable[[], dict]] = {
 
     "headroom": headroom,
     "all_finite": all_finite_scenarios,
+    "grads_max": grads_max_scenarios,
     "step_collectives": step_collectives,
     "multi_step": multi_step,
     "controls": controls,

@@ -125,6 +125,18 @@ def test_all_finite_over_a_tuple_of_axes(results):
     assert value["shard_map_2d_data"].tolist() == [[True, True, False, True]] * 2
 
 
+@pytest.mark.parametrize("size", [3, 100_000])
+@pytest.mark.parametrize("path", ["shard_map", "pmap"])
+def test_grads_max_over_devices_reads_a_nan_as_inf_on_every_device(results, path, size):
+    """Issue 42, item 1: one device's NaN made every device report 3.0 (a max over
+    replicas drops NaN); the step reads it as inf (``numerics.agree``), so does
+    ``ls.grads_max``."""
+    value = scenario(results, "grads_max")
+    assert value[f"{path}/{size}/clean"].tolist() == [3.0] * N_DEVICES
+    assert value[f"{path}/{size}/inf"].tolist() == [np.inf] * N_DEVICES
+    assert value[f"{path}/{size}/nan"].tolist() == [np.inf] * N_DEVICES
+
+
 def test_one_scalar_collective(results):
     assert scenario(results, "all_finite")["collectives"] == ["pmin"]
     for combination, names in scenario(results, "step_collectives").items():

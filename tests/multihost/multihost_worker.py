@@ -524,14 +524,21 @@ def die(args: argparse.Namespace) -> dict[str, Any]:
     return {}
 
 
+HUNG = "hung"
+"""What :func:`hang` prints on every process once it is where it hangs: the test's
+timeout counts from there, not from a start that may take minutes on a busy machine."""
+
+
 def hang(args: argparse.Namespace) -> dict[str, Any]:
     """For the harness test: the last process hangs; the others wait for it."""
     from jax.experimental import multihost_utils
 
     if jax.process_index() == jax.process_count() - 1:
-        print(f"process {jax.process_index()}: hanging on purpose", file=sys.stderr,
+        print(f"process {jax.process_index()}: hanging on purpose ({HUNG})", file=sys.stderr,
               flush=True)
         time.sleep(3600)
+    print(f"process {jax.process_index()}: waiting for the last process ({HUNG})",
+          file=sys.stderr, flush=True)
     multihost_utils.sync_global_devices("never reached by the last process")
     return {}
 

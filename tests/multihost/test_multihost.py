@@ -80,6 +80,7 @@ PATHS = ("jit", "shard_map", "shard_map_unchecked", "pmap")
 EXACT_PATHS = ("shard_map_unchecked",)  # the gradient mean in a fixed order
 METRICS = ("loss_scale", "growth_tracker", "skipped_steps", "consecutive_skips",
            "last_step_applied")
+HUNG = "hung"  # what the worker's "hang" scenario prints where it hangs (its HUNG)
 PORT_TAKEN = re.compile(r"Failed to start RPC server|Failed to add port|address already in use",
                         re.IGNORECASE)
 
@@ -109,8 +110,13 @@ def exit_text(code: int) -> str:
 
 
 def run_processes(argv: Callable[[int, int], list[str]], n_processes: int, folder: Path, *,
-                  port: int, timeout: float, env: dict[str, str] | None = None) -> None:
+                  port: int, timeout: float, env: dict[str, str] | None = None,
+                  timed_from: str | None = None) -> None:
     """Runs ``n_processes`` commands ``argv(process_id, port)`` at once, until all succeed.
+
+    ``timed_from``: the ``timeout`` counts from when every process has written this text
+    to its stderr (within :data:`TIMEOUT_S` of the start), not from the start: starting
+    two processes and the coordinator took over 20 s on a busy 2-core machine.
 
     Raises:
       WorkerFailure: as soon as one process exits non-zero (the others are killed), or
@@ -129,9 +135,12 @@ def run_processes(argv: Callable[[int, int], list[str]], n_processes: int, folde
             with out.open("w") as stdout, err.open("w") as stderr:
                 procs.append(subprocess.Popen(argv(i, port), cwd=ROOT, env=env, stdout=stdout,
                                               stderr=stderr, stdin=subprocess.DEVNULL))
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (timeout if timed_from is None else TIMEOUT_S)
         ended: list[int] = []  # the processes that failed, in the order they were seen
         while True:
+            if timed_from is not None and all(timed_from in tail(err, 10_000)
+                                              for _, err in logs):
+                timed_from, deadline = None, time.monotonic() + timeout
             codes = [p.poll() for p in procs]
             ended += [i for i, code in enumerate(codes) if code not in (None, 0)
                       and i not in ended]
@@ -146,8 +155,10 @@ def run_processes(argv: Callable[[int, int], list[str]], n_processes: int, folde
             if time.monotonic() > deadline:
                 running = [i for i, code in enumerate(codes) if code is None]
                 _kill(procs)
+                waited = (f"{timeout:.0f}s" if timed_from is None else
+                          f"{TIMEOUT_S:.0f}s, before every process wrote {timed_from!r}")
                 raise WorkerFailure(_describe(
-                    f"timed out after {timeout:.0f}s: process(es) {running} of {n_processes} "
+                    f"timed out after {waited}: process(es) {running} of {n_processes} "
                     "still running (all were killed)", running, logs, port))
             time.sleep(0.1)
     finally:
@@ -177,11 +188,12 @@ def _describe(headline: str, culprits: list[int], logs: list[tuple[Path, Path]],
 
 def launch(folder: Path, scenarios: list[str], n_processes: int, devices: int, *,
            checkpoint: Path | None = None, port: int | None = None,
-           timeout: float = TIMEOUT_S) -> list[dict[str, Any]]:
+           timeout: float = TIMEOUT_S, timed_from: str | None = None) -> list[dict[str, Any]]:
     """Runs the worker's ``scenarios`` on ``n_processes`` processes of ``devices`` devices.
 
     Returns one result dict per process. With no ``port``, picks a free one, and picks
     another once if it was taken between the pick and the coordinator's bind.
+    ``timed_from``: as for :func:`run_processes`.
     """
     def argv(i: int, port: int) -> list[str]:
         return [sys.executable, str(WORKER), "--num-processes", str(n_processes),
@@ -191,7 +203,8 @@ def launch(folder: Path, scenarios: list[str], n_processes: int, devices: int, *
 
     for attempt in (0, 1):
         try:
-            run_processes(argv, n_processes, folder, port=port or free_port(), timeout=timeout)
+            run_processes(argv, n_processes, folder, port=port or free_port(), timeout=timeout,
+                          timed_from=timed_from)
             break
         except WorkerFailure as failure:
             if port is not None or attempt or "could not be bound" not in str(failure):
@@ -507,13 +520,18 @@ def test_a_process_that_dies_fails_the_test_with_its_stderr(tmp_path):
 
 
 def test_a_hung_process_fails_the_test_instead_of_hanging(tmp_path):
+    """The timeout counts from when both processes are where they hang (each says so):
+    under load, starting them took longer than the 20 s, and the message had no stderr
+    to show yet (it failed once in a full run)."""
     started = time.monotonic()
     with pytest.raises(WorkerFailure) as failure:
-        launch(tmp_path, ["hang"], 2, DEVICES_PER_PROCESS, timeout=20)
-    assert time.monotonic() - started < 50  # killed, not waited for
+        launch(tmp_path, ["hang"], 2, DEVICES_PER_PROCESS, timeout=20, timed_from=HUNG)
+    # Killed, not waited for: the last process sleeps for an hour.
+    assert time.monotonic() - started < TIMEOUT_S + 20 + 60
     message = str(failure.value)
     assert message.startswith("timed out after 20s: process(es) [0, 1] of 2 still running")
     assert "process 1: hanging on purpose" in message
+    assert "process 0: waiting for the last process" in message
 
 
 def test_a_taken_coordinator_port_fails_the_test_clearly(tmp_path):
