@@ -817,44 +817,54 @@ def headroom() -> dict:
 
 def autocast_scenarios() -> dict:
     """``ls.autocast`` inside pmap, shard_map (data and tensor parallel) and sharded jit:
-    the loss and gradients of the same float32 MLP, and the dtypes its matmuls ran in."""
+    the loss and gradients of the float32 MLP autocast and as written (the same program on
+    the same path: under vma-checked ``shard_map`` a replicated param's gradient comes back
+    summed over "data", autocast or not), and the dtypes its matmuls ran in."""
     params, (x, y) = init_params(), batch(0)
     mesh = jax.make_mesh((N_DEVICES,), ("data",))
-    loss = ls.autocast(mlp_loss)
-    out: dict[str, Any] = {"reference": jax.value_and_grad(loss)(params, x, y)}
-
-    def local(p, x, y):
-        value, grads = jax.value_and_grad(loss)(p, x, y)
-        return lax.pmean(value, "data"), lax.pmean(grads, "data")
-
+    out: dict[str, Any] = {}
     split = lambda a: a.reshape(N_DEVICES, -1, *a.shape[1:])  # noqa: E731
-    value, grads = jax.pmap(local, axis_name="data", in_axes=(None, 0, 0))(
-        params, split(x), split(y))
-    out["pmap"] = (value[0], jax.tree.map(lambda g: g[0], grads))
-    sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
-                                    out_specs=P()))
     rows = NamedSharding(mesh, P("data"))
     args = (place_on(mesh, params), jax.device_put(x, rows), jax.device_put(y, rows))
-    out["shard_map"] = sharded(*args)
-    out["shard_map_dots"] = sorted({
-        tuple(str(v.aval.dtype) for v in e.invars)
-        for e in _equations(jax.make_jaxpr(sharded)(*args).jaxpr)
-        if e.primitive.name == "dot_general"})
-    out["jit"] = jax.jit(jax.value_and_grad(loss))(*args)
-    # tensor parallel: the hidden layer split over "model" (one psum inside the loss)
     mesh2 = jax.make_mesh((2, 4), ("data", "model"))
-    tp_loss = ls.autocast(functools.partial(mlp_loss, model_axis="model"))
     specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()}
-
-    def tp_local(p, x, y):
-        value, grads = jax.value_and_grad(tp_loss)(p, x, y)
-        return lax.pmean(value, "data"), jax.tree.map(lambda g: lax.pmean(g, "data"), grads)
-
-    tp = jax.jit(jax.shard_map(tp_local, mesh=mesh2, in_specs=(specs, P("data"), P("data")),
-                               out_specs=(P(), specs)))
     rows2 = NamedSharding(mesh2, P("data"))
-    out["shard_map_tp"] = tp(place_on(mesh2, params, specs), jax.device_put(x, rows2),
-                             jax.device_put(y, rows2))
+    args2 = (place_on(mesh2, params, specs), jax.device_put(x, rows2), jax.device_put(y, rows2))
+    for kind, cast in (("autocast", ls.autocast), ("float32", lambda f: f)):
+        loss = cast(mlp_loss)
+
+        def local(p, x, y, loss=loss):
+            value, grads = jax.value_and_grad(loss)(p, x, y)
+            return lax.pmean(value, "data"), grads
+
+        def averaged(p, x, y, local=local):  # pmap: per-device gradients, averaged here
+            value, grads = local(p, x, y)
+            return value, lax.pmean(grads, "data")
+
+        out[f"reference/{kind}"] = jax.value_and_grad(loss)(params, x, y)
+        value, grads = jax.pmap(averaged, axis_name="data", in_axes=(None, 0, 0))(
+            params, split(x), split(y))
+        out[f"pmap/{kind}"] = (value[0], jax.tree.map(lambda g: g[0], grads))
+        sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"),
+                                                                     P("data")),
+                                        out_specs=P()))
+        out[f"shard_map/{kind}"] = sharded(*args)
+        out[f"shard_map_dots/{kind}"] = sorted({
+            tuple(str(v.aval.dtype) for v in e.invars)
+            for e in _equations(jax.make_jaxpr(sharded)(*args).jaxpr)
+            if e.primitive.name == "dot_general"})
+        out[f"jit/{kind}"] = jax.jit(jax.value_and_grad(loss))(*args)
+        # tensor parallel: the hidden layer split over "model" (one psum inside the loss)
+        tp_loss = cast(functools.partial(mlp_loss, model_axis="model"))
+
+        def tp_local(p, x, y, tp_loss=tp_loss):
+            value, grads = jax.value_and_grad(tp_loss)(p, x, y)
+            return lax.pmean(value, "data"), grads
+
+        tp = jax.jit(jax.shard_map(tp_local, mesh=mesh2, in_specs=(specs, P("data"),
+                                                                   P("data")),
+                                   out_specs=(P(), specs)))
+        out[f"shard_map_tp/{kind}"] = tp(*args2)
     return jax.tree.map(lambda a: host(a) if isinstance(a, jax.Array) else a, out)
 
 

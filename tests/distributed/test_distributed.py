@@ -351,17 +351,24 @@ def test_headroom_growth_takes_the_max_over_every_device(results, path):
 # -------------------------------------------------------------------------- autocast
 
 
-@pytest.mark.parametrize("path", ["pmap", "shard_map", "jit", "shard_map_tp"])
-def test_autocast_gives_the_same_loss_and_gradients_on_every_path(results, path):
+@pytest.mark.parametrize("path", ["reference", "pmap", "shard_map", "jit", "shard_map_tp"])
+def test_autocast_gives_the_float32_programs_loss_and_gradients_on_every_path(results, path):
     value = scenario(results, "autocast")
-    ref_loss, ref_grads = value["reference"]
-    loss, grads = value[path]
+    loss, grads = value[f"{path}/autocast"]
+    ref_loss, ref_grads = value[f"{path}/float32"]
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-3)
     for name in ref_grads:
         assert grads[name].dtype == np.float32
         np.testing.assert_allclose(grads[name], ref_grads[name], rtol=2e-2, atol=2e-3)
+    # and every path computes what one device computes for the whole batch (shard_map's
+    # replicated params: the gradient summed over the 8 data shards, 2 on the 2x4 mesh)
+    one_loss, one_grads = value["reference/float32"]
+    np.testing.assert_allclose(loss, one_loss, rtol=1e-3)
+    shards = {"shard_map": N_DEVICES, "shard_map_tp": 2}.get(path, 1)
+    np.testing.assert_allclose(grads["w1"], shards * one_grads["w1"], rtol=2e-2, atol=2e-3)
 
 
 def test_autocast_inside_shard_map_runs_the_matmuls_in_half(results):
-    dots = scenario(results, "autocast")["shard_map_dots"]
-    assert dots == [("float16", "float16")]
+    value = scenario(results, "autocast")
+    assert value["shard_map_dots/autocast"] == [("float16", "float16")]
+    assert value["shard_map_dots/float32"] == [("float32", "float32")]
