@@ -144,7 +144,11 @@ class Autocast:
             traced = self.trace(call)
             if not any(isinstance(c, core.Tracer) for c in traced.jaxpr.consts):
                 self._traced[call.key] = traced  # not when fn closes over a traced value
-        return jax.tree.unflatten(traced.out_tree, traced.run(*call.arrays))
+        if any(isinstance(x, core.Tracer) for x in call.arrays):  # inside a trace: inline
+            outs = core.eval_jaxpr(traced.jaxpr.jaxpr, traced.jaxpr.consts, *call.arrays)
+        else:
+            outs = traced.run(*call.arrays)
+        return jax.tree.unflatten(traced.out_tree, outs)
 
     def trace(self, call: Call, rows: dict[Any, Row] | None = None) -> Traced:
         """``call``'s autocast program (``rows``, when given, receive the report's rows)."""
