@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import io
 import json
 import linecache
 import os
@@ -162,11 +163,36 @@ def execute(block: Block, module_name: str = "__main__",
     return namespace
 
 
+class _Tee(io.TextIOBase):
+    """Passes what is written on to ``through`` and keeps a copy."""
+
+    def __init__(self, through: Any) -> None:
+        self.through, self.kept = through, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.kept.write(text)
+        return self.through.write(text)
+
+
 @functools.cache
 def namespace(block: Block) -> dict[str, Any]:
     """``execute(block)``, once per test session: the runner and the tests that assert on a
-    block's results share one run (a test that goes on training with it changes it)."""
-    return execute(block)
+    block's results share one run (a test that goes on training with it changes it). What the
+    block printed is ``printed(block)``, whichever test ran it first."""
+    tee = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(tee):
+        result = execute(block)
+    _PRINTED[block] = tee.kept.getvalue()
+    return result
+
+
+_PRINTED: dict[Block, str] = {}
+
+
+def printed(block: Block) -> list[str]:
+    """The lines ``namespace(block)`` printed when it ran the block."""
+    namespace(block)
+    return _PRINTED[block].splitlines()
 
 
 def run_in_subprocess(selected: list[Block], devices: int, timeout: float = 600) -> dict:

@@ -93,9 +93,10 @@ def test_the_api_page_names_every_rule():
         assert f"`{rule.name}`" in text, rule
 
 
-def test_the_forward_overflow_section_prints_what_the_page_shows(capsys):
-    namespace = doc_blocks.namespace(doc_blocks.named("autocast.md", "forward_overflow"))
-    printed = capsys.readouterr().out.splitlines()
+def test_the_forward_overflow_section_prints_what_the_page_shows():
+    block = doc_blocks.named("autocast.md", "forward_overflow")
+    namespace = doc_blocks.namespace(block)
+    printed = doc_blocks.printed(block)
     shown = next(b for b in doc_blocks.blocks("docs/autocast.md")
                  if b.option("name") == "forward_overflow_output")
     assert shown.code.strip().splitlines() == printed
