@@ -8,15 +8,9 @@ import optax
 
 from loss_scaling import _registry
 from loss_scaling._errors import NoLossScaleFound
-from loss_scaling.core.scalers import SCALER_TYPES, DynamicLossScale, LossScale
+from loss_scaling.core.scalers import SCALER_TYPES, LossScale
 from loss_scaling.wrapper import placement
 from loss_scaling.wrapper.state import LossScalingState
-
-_NO_CONFIG = (
-    "This nnx.State holds the loss scale's values but not its configuration: a plain flax "
-    "nnx.Optimizer does not keep it in its state (build the optimizer with "
-    "`loss_scaling.nnx.Optimizer`, which does).")
-
 
 NOT_A_STATE = {
     "transformation": (
@@ -99,13 +93,12 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
     """
     if isinstance(opt_state, SCALER_TYPES):  # already the loss scale (ls.check takes it too)
         return opt_state
-    scaler = _get_wrapper_state(opt_state, path).scaler
-    if isinstance(scaler, DynamicLossScale) and scaler.config is None:
-        raise ValueError(f"{_NO_CONFIG} Pass the optimizer itself instead.")
-    return scaler
+    return wrapper_state(opt_state, path).scaler
 
 
-def _get_wrapper_state(opt_state: Any, path: str | None) -> LossScalingState:
+def wrapper_state(opt_state: Any, path: str | None = None) -> LossScalingState:
+    """The one wrapper state in ``opt_state`` that ``path`` picks (as for
+    :func:`get_loss_scale`, whose errors it raises)."""
     if path is not None and not isinstance(path, str):
         raise TypeError(f"path must be a string (a key path, or a part of one, such as "
                         f"\"['generator']\") or None, got {path!r}.")

@@ -960,7 +960,7 @@ def test_the_documented_list_of_configuration_checked_options_is_the_codes():
     import re
 
     from loss_scaling.checkpoint import state_dict as json_format
-    from loss_scaling.core import validation
+    from loss_scaling.core import fields
 
     page = (pathlib.Path(__file__).parent.parent / "docs" / "checkpoints.md").read_text()
     table = page.split("<!-- config-checked -->")[1].split("<!-- /config-checked -->")[0]
@@ -969,8 +969,8 @@ def test_the_documented_list_of_configuration_checked_options_is_the_codes():
                for name in re.findall(r"`(\w+)", option)}
     unchecked = {name for option, compared, _ in rows if compared.strip() == "no"
                  for name in re.findall(r"`(\w+)", option)}
-    config = {f.name for f in dataclasses.fields(validation.DynamicConfig)}
-    assert config == set(json_format._CONFIG_KEYS["dynamic"])   # the code's one list
+    config = {f.name for f in dataclasses.fields(fields.DynamicConfig)}
+    assert config == set(json_format.config_keys("dynamic", "headroom"))  # the one list
     assert checked == config | {"StaticLossScale"}
     wrapper_options = {name for name, p in inspect.signature(
         ls.with_loss_scaling).parameters.items() if p.kind is p.KEYWORD_ONLY}

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from loss_scaling._errors import RestoreError, show
-from loss_scaling.checkpoint.state_dict import _concrete, _host_array
+from loss_scaling.checkpoint.state_dict import host_array, is_concrete
 from loss_scaling.checkpoint.upgrade import as_saved, saved_at, upgrade_restored
+from loss_scaling.core import fields
 from loss_scaling.core.scalers import (
-    FLOAT_LEAVES,
     SCALER_TYPES,
     DynamicLossScale,
     LossScale,
@@ -26,7 +26,6 @@ from loss_scaling.core.scalers import (
     StaticLossScale,
     leaf_names,
 )
-from loss_scaling.core.validation import counter_in_range, history_in_range, scale_in_range
 from loss_scaling.wrapper.state import LossScalingState
 
 PRE_LOSS_SCALING = (
@@ -55,11 +54,11 @@ _INT_DTYPE = np.dtype("<i4")
 
 
 def _record_dtype(name: str) -> np.dtype:
-    return _F32_DTYPE if name in FLOAT_LEAVES else _INT_DTYPE
+    return _F32_DTYPE if fields.is_float(name) else _INT_DTYPE
 
 
 def _window(scaler: LossScale) -> int | None:
-    """The history length of a headroom scaler (None for every other: its config has none)."""
+    """The length of a headroom scaler's window leaf (None for every other: none has one)."""
     return getattr(getattr(scaler, "config", None), "headroom_window", None)
 
 
@@ -73,13 +72,13 @@ def _record(scaler: LossScale) -> bytes | None:
     """The checked record of a concrete scaler; None for placeholders and tracers."""
     names = leaf_names(scaler)
     leaves = [getattr(scaler, name) for name in names]
-    if not all(map(_concrete, leaves)):
+    if not all(map(is_concrete, leaves)):
         return None
-    arrays = [_host_array(leaf) for leaf in leaves]
-    shape, window = arrays[0].shape, _window(scaler)
-    if len(shape) > 255 or any(
-            a.shape != (shape if n != "grad_max_history" else (*shape, window))
-            for n, a in zip(names, arrays, strict=True)):
+    arrays = [host_array(leaf) for leaf in leaves]
+    shape, config = arrays[0].shape, getattr(scaler, "config", None)
+    window = _window(scaler)
+    if len(shape) > 255 or any(a.shape != (*shape, *fields.shape(n, config))
+                               for n, a in zip(names, arrays, strict=True)):
         return None
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         body = b"".join(np.ascontiguousarray(a.astype(_record_dtype(n))).tobytes()
@@ -118,7 +117,8 @@ def _read_record(target: LossScale, record: bytes) -> dict[str, np.ndarray]:
                 f"the bytes hold a headroom_window of {saved_window}, the target's is "
                 f"{window}: build the target with the saved configuration.")
     count = int(np.prod(shape, dtype=np.int64))
-    sizes = {n: count * (window or 1 if n == "grad_max_history" else 1) for n in names}
+    config = getattr(target, "config", None)
+    sizes = {n: count * int(np.prod(fields.shape(n, config), dtype=np.int64)) for n in names}
     if len(record) != offset + 4 * sum(sizes.values()) + 4:
         raise _flax_error(f"the record's length ({len(record)} bytes) does not match its "
                           f"shape {shape}.")
@@ -126,8 +126,7 @@ def _read_record(target: LossScale, record: bytes) -> dict[str, np.ndarray]:
     for name in names:
         dtype = _record_dtype(name)
         arrays[name] = np.frombuffer(record, dtype, sizes[name], offset).reshape(
-            (*shape, window) if name == "grad_max_history" else shape).astype(
-            dtype.newbyteorder("="))
+            (*shape, *fields.shape(name, config))).astype(dtype.newbyteorder("="))
         offset += 4 * sizes[name]
     return arrays
 
@@ -147,6 +146,11 @@ def _flax_error(message: str) -> RestoreError:
     return RestoreError(f"cannot restore the loss-scale state at {path!r}: {message}")
 
 
+ADOPT_THE_CONFIG = (
+    " If the saved configuration differs, restore the saved state with its own "
+    "configuration and adopt the new one with `loss_scaling.restore_with_config`.")
+
+
 def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
     """Checks a concrete restored leaf against the target's layout and configuration.
 
@@ -156,7 +160,7 @@ def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
     """
     target_leaf = getattr(target, name, None)
     if value is None or isinstance(value, (jax.ShapeDtypeStruct, jax.core.Tracer)):
-        if _concrete(target_leaf):
+        if is_concrete(target_leaf):
             raise _flax_error(f"{name} is {show(value)}, not a value: the saved state was a "
                               "placeholder (e.g. from jax.eval_shape).")
         return value
@@ -164,34 +168,27 @@ def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
         array = np.asarray(value)
     except Exception:  # ragged lists and other junk: still a ValueError
         raise _flax_error(f"{name} must be an array, got {show(value)}.") from None
-    integer = name not in FLOAT_LEAVES
+    integer = not fields.is_float(name)
     if array.dtype.kind not in ("iu" if integer else "f"):
         raise _flax_error(
             f"{name} must be {'an integer' if integer else 'a floating'} array, got "
             f"{show(value)} of dtype {array.dtype}.")
+    config = target.config if isinstance(target, DynamicLossScale) else None
     # The target's shape (replica axes included); a None placeholder: an unreplicated leaf.
     expected = tuple(np.shape(target_leaf)) if target_leaf is not None else (
-        () if name != "grad_max_history" else (_window(target) or 0,))
+        fields.shape(name, config))
     if array.shape != expected:
         raise _flax_error(
             f"{name} has shape {array.shape}, the target's has shape {expected}: restore into "
             "a target of the saved layout (a pmap-replicated state has a leading device "
             "axis: replicate the target with flax.jax_utils.replicate, or save one replica).")
-    config = target.config if isinstance(target, DynamicLossScale) else None
     try:
-        if integer:
-            assert config is not None  # the only kind with integer leaves
-            counter_in_range(name, array, config, config_name="the target's ", fix=(
-                " If the saved configuration differs, restore the saved state with its own "
-                "configuration and adopt the new one with `loss_scaling.restore_with_config`."))
-        elif name == "grad_max_history":
-            history_in_range(name, array)
-        else:
-            scale_in_range(name, array, config, where="the target's ")
+        fields.check_leaf(name, array, config, label=name, config_name="the target's ",
+                          fix=ADOPT_THE_CONFIG if integer else "")
     except ValueError as error:
         raise _flax_error(str(error)) from None
-    if isinstance(target, StaticLossScale) and _concrete(target_leaf):
-        configured = _host_array(target_leaf).astype(np.float32)
+    if isinstance(target, StaticLossScale) and is_concrete(target_leaf):
+        configured = host_array(target_leaf).astype(np.float32)
         if not np.array_equal(array.astype(np.float32), configured):
             raise _flax_error(
                 f"loss_scale: saved {show(array.tolist())}, the target's StaticLossScale "

@@ -16,9 +16,10 @@ import jax
 import numpy as np
 
 from loss_scaling._errors import show
-from loss_scaling.checkpoint.state_dict import _host_array, place_like
-from loss_scaling.core.scalers import HEADROOM_LEAVES, DynamicLossScale, leaf_names
-from loss_scaling.wrapper.state import LossScalingState
+from loss_scaling.checkpoint.state_dict import host_array, place_like
+from loss_scaling.core import fields
+from loss_scaling.core.scalers import DynamicLossScale, dynamic_from_leaves, leaf_names
+from loss_scaling.wrapper.state import LossScalingState, is_state_mapping
 
 __all__ = ["FIELD_CHANGES", "FieldAdded", "FieldRemoved", "target_as_saved",
            "upgrade_restored"]
@@ -96,22 +97,10 @@ An entry whose field the state does not have (yet) is never used."""
 # ------------------------------------------------------------------ the states' fields
 
 
-# The wrapper fields that always hold leaves, whatever the options: what identifies a
-# wrapper state's mapping (an nnx.State drops fields without leaves).
-_ALWAYS_PRESENT = frozenset(LossScalingState._fields) - {"scaler", "inner_state", "underflow"}
-
-
-def _is_wrapper_mapping(node: Any) -> bool:
-    """A wrapper state as an ``nnx.State`` holds it: a mapping of its fields (those
-    without leaves dropped)."""
-    return isinstance(node, Mapping) and (
-        _ALWAYS_PRESENT <= set(node) <= set(LossScalingState._fields))
-
-
 def _is_scaler_mapping(node: Any) -> bool:
     """A dynamic scaler as an ``nnx.State`` holds it: a mapping of its leaves."""
     return isinstance(node, Mapping) and (
-        {"loss_scale", "growth_tracker"} <= set(node) <= set(HEADROOM_LEAVES))
+        {"loss_scale", "growth_tracker"} <= set(node) <= set(fields.ALL_DYNAMIC_LEAF_NAMES))
 
 
 def _fields(node: Any) -> list[str]:
@@ -141,11 +130,11 @@ class _Kind(NamedTuple):
 
 _KINDS = (  # holders before what they hold
     _Kind("LossScalingState",
-          lambda x: isinstance(x, LossScalingState) or _is_wrapper_mapping(x),
+          lambda x: isinstance(x, LossScalingState) or is_state_mapping(x),
           lambda target, values: LossScalingState(**values)),
     _Kind("DynamicLossScale",
           lambda x: isinstance(x, DynamicLossScale) or _is_scaler_mapping(x),
-          lambda target, values: DynamicLossScale._from_parts(
+          lambda target, values: dynamic_from_leaves(
               target.config, tuple(values[name] for name in leaf_names(target)))),
 )
 
@@ -349,7 +338,7 @@ def _host(leaf: Any, name: str, kind: str, path: Sequence[Any]) -> np.ndarray:
     if len(values) != 1:
         raise ValueError(NOT_AN_ARRAY.format(name=name, kind=kind, path=_pathname(path),
                                              value=show(leaf)))
-    return _host_array(values[0])
+    return host_array(values[0])
 
 
 class _OnHost(Mapping[str, np.ndarray]):

@@ -14,20 +14,25 @@ from flax.nnx.transforms import general  # split_inputs / merge_inputs: nnx.jit'
 
 from loss_scaling import _registry
 from loss_scaling._errors import show
+from loss_scaling.core import fields
 from loss_scaling.core.scalers import (
-    DYNAMIC_LEAVES,
-    HEADROOM_LEAVES,
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
+    dynamic_from_leaves,
 )
 from loss_scaling.core.tree import any_leaf
 from loss_scaling.grad import WRONG_FIRST_ARGUMENT, argnums_within, scaled_loss, scaler_of_state
-from loss_scaling.lookup import _get_wrapper_state, get_loss_scale, refuse_misplaced_wrapper
+from loss_scaling.lookup import get_loss_scale, refuse_misplaced_wrapper, wrapper_state
 from loss_scaling.wrapper import provenance
 from loss_scaling.wrapper.placement import wrapper_states_in
-from loss_scaling.wrapper.state import LossScalingState, UnderflowStats, carried_failure
+from loss_scaling.wrapper.state import (
+    LossScalingState,
+    UnderflowStats,
+    carried_failure,
+    is_state_mapping,
+)
 from loss_scaling.wrapper.transform import apply_gradients
 
 __all__ = ["Optimizer", "value_and_grad"]
@@ -231,21 +236,20 @@ def unwrap(x: Any) -> Any:
                         is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
-# Fields that every wrapper state has leaves for, which identify its mapping in an
-# nnx.State (an empty inner state, a NoOp scaler or disabled underflow statistics have
-# none, so nnx.state drops those keys).
-_ALWAYS_PRESENT = frozenset(LossScalingState._fields) - {"scaler", "inner_state", "underflow"}
+NO_CONFIG = (
+    "This nnx.State holds the loss scale's values but not its configuration: a plain flax "
+    "nnx.Optimizer does not keep it in its state (build the optimizer with "
+    "`loss_scaling.nnx.Optimizer`, which does). Pass the optimizer itself instead.")
 
 
 def _from_nnx_state(node: Any) -> Any:
     """Nested mappings with every wrapper state's mapping rebuilt as a LossScalingState.
     ``nnx.state`` drops the scaler's static configuration; ``Optimizer`` keeps it as
-    Variable metadata. Without it (a plain ``nnx.Optimizer``) the config is None:
-    :func:`get_loss_scale` refuses that scaler, :func:`metrics` reads only values."""
+    Variable metadata. Without it (the state of a plain ``nnx.Optimizer``) there is no
+    loss scale to rebuild: a ValueError (:data:`NO_CONFIG`)."""
     if not isinstance(node, Mapping):
         return node
-    keys = set(node)
-    if _ALWAYS_PRESENT <= keys <= set(LossScalingState._fields):
+    if is_state_mapping(node):
         fields = {k: _from_nnx_state(v) for k, v in node.items()}
         fields["scaler"] = _scaler_from_mapping(node.get("scaler", {}))
         if isinstance(fields.get("underflow"), Mapping):
@@ -263,9 +267,11 @@ def _scaler_from_mapping(node: Any) -> LossScale:
     if names == {"loss_scale"}:
         return jax.tree.unflatten(jax.tree.structure(StaticLossScale(1.0)), [node["loss_scale"]])
     metadata: dict[str, Any] = getattr(node.get("loss_scale"), "get_metadata", dict)()
-    config: Any = metadata.get(CONFIG_METADATA)  # None: get_loss_scale refuses it
-    leaves = HEADROOM_LEAVES if "grad_max_history" in node else DYNAMIC_LEAVES
-    return DynamicLossScale._from_parts(config, tuple(node[name] for name in leaves))
+    config: Any = metadata.get(CONFIG_METADATA)
+    if config is None:
+        raise ValueError(NO_CONFIG)
+    return dynamic_from_leaves(config, tuple(
+        node[name] for name in fields.dynamic_leaf_names(config.growth)))
 
 
 def replace_scale(state: Any, new: LossScale, path: str | None) -> Any:
@@ -276,7 +282,7 @@ def replace_scale(state: Any, new: LossScale, path: str | None) -> Any:
         return NotImplemented
 
     target = get_loss_scale(state, path)  # clear errors for none or several
-    wrapper = _get_wrapper_state(state, path)
+    wrapper = wrapper_state(state, path)
     # The lookup returns the values the Variables hold: they identify the Variables.
     holder = state.opt_state if isinstance(state, nnx.Optimizer) else state
     variables = jax.tree.leaves(holder, is_leaf=is_variable)

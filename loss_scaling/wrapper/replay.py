@@ -35,7 +35,7 @@ from jax import lax
 from loss_scaling._errors import Failure, show
 from loss_scaling.core import tree
 from loss_scaling.core.numerics import skip_cond
-from loss_scaling.core.scalers import DynamicLossScale
+from loss_scaling.core.scalers import DynamicLossScale, replace_leaves
 from loss_scaling.core.update import backoff_now
 from loss_scaling.wrapper.state import (
     REPLAY_EXTRA_ARG,
@@ -193,7 +193,7 @@ def no_growth_after(replays: jax.Array, backed_off: Any, stepped: Any) -> Any:
     """
     grew = jnp.asarray(stepped.loss_scale) > jnp.asarray(backed_off.loss_scale)
     return optax.tree.where(
-        (replays > 0) & grew, stepped._replace(loss_scale=backed_off.loss_scale), stepped)
+        (replays > 0) & grew, replace_leaves(stepped, loss_scale=backed_off.loss_scale), stepped)
 
 
 def saturating_add(counter: jax.Array, amount: jax.Array) -> jax.Array:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -107,6 +108,21 @@ class LossScalingState(NamedTuple):
         return self.last_step_applied
 
 
+MAY_HOLD_NO_LEAVES = frozenset({"scaler", "inner_state", "underflow"})
+"""The fields of :class:`LossScalingState` that can hold no leaves (a ``NoOpLossScale``,
+an empty inner state, no underflow statistics): a mapping of the state's fields, as an
+``nnx.State`` holds it, drops them."""
+ALWAYS_PRESENT = frozenset(LossScalingState._fields) - MAY_HOLD_NO_LEAVES
+"""The fields that always hold leaves, whatever the options."""
+
+
+def is_state_mapping(node: Any) -> bool:
+    """Whether ``node`` is a wrapper state as an ``nnx.State`` holds it: a mapping of its
+    fields, those without leaves dropped (:data:`MAY_HOLD_NO_LEAVES`)."""
+    return isinstance(node, Mapping) and ALWAYS_PRESENT <= set(node) <= set(
+        LossScalingState._fields)
+
+
 class UnderflowStats(NamedTuple):
     """Per gradient leaf, how much of the last step's gradient float16 could not hold.
 
@@ -131,8 +147,6 @@ class UnderflowStats(NamedTuple):
 SUSPICIOUS_GROWTHS = 20
 """Growths in a row without an overflow after which the scale is suspicious (2**20 up)."""
 
-_F16_TINY = float(np.finfo(np.float16).tiny)
-_BELOW_F16_TINY = float(np.nextafter(np.float32(_F16_TINY), np.float32(0)))
 
 # The fix both warnings about narrow params give.
 _MASTER_PARAMS = ("Keep float32 master params and compute in {dtype} inside the loss function "
@@ -158,16 +172,6 @@ NO_ZERO_PARAMS = (
 )
 
 
-def _fresh(scaler: LossScale) -> LossScale:
-    # New buffers: donating an opt_state must never delete arrays the caller's scaler holds.
-    return jax.tree.map(lambda x: jnp.array(x, copy=True), scaler)
-
-
-def _count(counter: jax.Array, reset_when: jax.Array, reset: bool) -> jax.Array:
-    stepped = optax.safe_increment(counter)
-    return jnp.where(reset_when, jnp.zeros_like(counter) if reset else counter, stepped)
-
-
 class WrapperOptions(NamedTuple):
     """The wrapper's settings, shared by ``update`` and the fused :func:`apply_gradients`."""
 
@@ -180,6 +184,28 @@ class WrapperOptions(NamedTuple):
     underflow_diagnostics: bool
     max_replays: int = 0
     max_nonfinite_losses: int | None = None
+
+
+def attach_options(update: Any, options: WrapperOptions, initial_scaler: LossScale) -> None:
+    """Sets the options on the wrapper's ``update`` function, where the fused path
+    (:func:`options_of`) and the placement checks find them; on the function, so that a
+    transformation rebuilt around ``tx.init`` / ``tx.update``
+    (``GradientTransformationExtraArgs(tx.init, tx.update)``) keeps them. The scaler given
+    to ``with_loss_scaling`` goes with them (the provenance checks compare with it)."""
+    update.options = options
+    update.initial_scaler = initial_scaler
+
+
+def options_of(update: Any) -> WrapperOptions | None:
+    """The options of a wrapper's ``update`` function (:func:`attach_options`); ``None``
+    for any other function."""
+    options = getattr(update, "options", None)
+    return options if isinstance(options, WrapperOptions) else None
+
+
+def initial_scaler_of(update: Any) -> LossScale | None:
+    """The scaler given to the ``with_loss_scaling`` whose ``update`` this is, or None."""
+    return getattr(update, "initial_scaler", None) if options_of(update) else None
 
 
 def initial_state(scaler: LossScale, inner_state: Any, n_grads: int,
@@ -227,7 +253,7 @@ def _has_zero(dtype: Any) -> bool:
     return bool(np.asarray(0.0, np.float32).astype(dtype).astype(np.float32) == 0)
 
 
-def _refuse_dtypes_without_zero(params: Any) -> None:
+def refuse_dtypes_without_zero(params: Any) -> None:
     """Host side, at ``init``: float params in a dtype without a zero cannot be skipped."""
     for name, leaf in zip(key_path_names(params), jax.tree.leaves(params), strict=True):
         dtype = getattr(leaf, "dtype", None)
@@ -235,7 +261,7 @@ def _refuse_dtypes_without_zero(params: Any) -> None:
             raise TypeError(NO_ZERO_PARAMS.format(leaf=name, dtype=jnp.dtype(dtype).name))
 
 
-def _warn_low_precision_state(params: Any, inner_state: Any) -> None:
+def warn_low_precision_state(params: Any, inner_state: Any) -> None:
     """Host side, once at ``init``: narrow float params whose optimizer state is as narrow,
     and float16 or bfloat16 params (a :class:`loss_scaling.LossScaleWarning` each)."""
     def narrow(x: Any) -> bool:
