@@ -26,13 +26,12 @@ NOT_A_STATE = {
 
 def _not_a_state(x: Any) -> str | None:
     """The message for a transformation or a model passed where a state was wanted, else
-    None. Frameworks are recognised by their classes' modules: none is imported here."""
+    None. A framework's model is its integration's to recognise (``Hooks.is_model``)."""
     if isinstance(x, optax.GradientTransformation):
         return NOT_A_STATE["transformation"].format(what=f"an optax {type(x).__name__}")
-    for cls in type(x).__mro__:
-        if cls.__name__ == "Module" and cls.__module__.split(".")[0] in ("flax", "equinox"):
-            return NOT_A_STATE["model"].format(
-                what=f"an instance of {type(x).__module__}.{type(x).__qualname__}")
+    if _registry.first_answer(lambda h: h.is_model and h.is_model(x) or None):
+        return NOT_A_STATE["model"].format(
+            what=f"an instance of {type(x).__module__}.{type(x).__qualname__}")
     return None
 
 

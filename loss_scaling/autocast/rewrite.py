@@ -27,6 +27,7 @@ from jax._src import linear_util as lu
 from jax._src.interpreters import ad
 from jax._src.interpreters import partial_eval as pe
 
+from loss_scaling import _registry
 from loss_scaling.autocast.rules import Rule, rule_of
 
 FLOAT32 = np.dtype(np.float32)
@@ -741,7 +742,7 @@ def is_library(debug_info: Any) -> bool:
     """Whether a sub-program's function is a library's (JAX, flax, Equinox, optax)."""
     info = getattr(debug_info, "func_src_info", None) or ""
     _, _, where = info.partition(" at ")
-    return bool(where) and where.startswith(_framework_dirs(with_jax=True))
+    return bool(where) and where.startswith(_registry.library_dirs(with_jax=True))
 
 
 def _eligible(eqn: Any) -> bool:
@@ -805,27 +806,12 @@ def source_of(eqn: Any) -> str | None:
     return None if frame is None else f"{frame.file_name}:{frame.start_line}"
 
 
-@functools.cache
-def _framework_dirs(with_jax: bool = False) -> tuple[str, ...]:
-    """The folders of flax, Equinox, optax, this library (and JAX, when asked)."""
-    import importlib.util
-    import os
-
-    names = ["flax", "equinox", "optax", "haiku", "chex", "loss_scaling"]
-    dirs: list[str] = []
-    for name in names + (["jax"] if with_jax else []):
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.submodule_search_locations:
-            dirs.extend(os.path.join(p, "") for p in spec.submodule_search_locations)
-    return tuple(dirs)
-
-
 def user_frame(traceback: Any) -> Any:
     """The innermost frame of ``traceback`` outside JAX, flax, Equinox, optax and this
     library (``None`` when there is none)."""
     if traceback is None:
         return None
-    skip = _framework_dirs()
+    skip = _registry.library_dirs()
     for frame in source_info_util.user_frames(traceback):
         if not frame.file_name.startswith(skip) or frame.file_name.endswith("demo.py"):
             return frame

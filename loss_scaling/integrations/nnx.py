@@ -333,6 +333,37 @@ def _owns(tree: Any) -> bool:
     return any_leaf(is_graph_node, tree)
 
 
+# ------------------------------------------------------------- for the debugging tools
+
+
+def _is_model(x: Any) -> bool:
+    return isinstance(x, nnx.Module)
+
+
+def _optimizer_wrt(x: Any) -> Any:
+    """An ``nnx.Optimizer``'s ``wrt`` filter (what it trains); None for anything else."""
+    return x.wrt if isinstance(x, nnx.Optimizer) else None
+
+
+def _split_model(model: Any, wrt: Any) -> _registry.ModelSplit | None:
+    """An nnx graph node as arrays: the ``wrt`` variables (``nnx.Param`` by default) and
+    the rest; merged back into a fresh copy."""
+    if not nnx.graph.is_graph_node(model):
+        return None
+    graphdef, diff_state, *other_states = nnx.split(model, wrt or nnx.Param, ...)
+    return _registry.ModelSplit(
+        nnx.as_pure(diff_state), [nnx.as_pure(o) for o in other_states],
+        lambda diff, others: nnx.merge(graphdef, diff, *others), graphdef)
+
+
+def _modules(root: Any) -> Any:
+    """The nnx Modules of a graph node, by their paths in it (itself: ``()``)."""
+    if nnx.graph.is_graph_node(root):
+        yield from ((tuple(path), n) for path, n in nnx.iter_graph(root)
+                    if isinstance(n, nnx.Module))
+
+
 _registry.register("flax.nnx", _registry.Hooks(
     unwrap=unwrap, replace_scale=replace_scale, value_and_grad=_value_and_grad_for,
-    owns=_owns, autocast=autocast))
+    owns=_owns, autocast=autocast, is_model=_is_model, optimizer_wrt=_optimizer_wrt,
+    split_model=_split_model, modules=_modules))
