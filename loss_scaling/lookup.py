@@ -10,7 +10,7 @@ from loss_scaling import _registry
 from loss_scaling._errors import NoLossScaleFound
 from loss_scaling.core.scalers import SCALER_TYPES, LossScale
 from loss_scaling.wrapper import placement
-from loss_scaling.wrapper.state import LossScalingState
+from loss_scaling.wrapper.state import LossScalingState, scaler_alone
 
 NOT_A_STATE = {
     "transformation": (
@@ -76,7 +76,9 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
         it that only one of them contains (e.g. ``"['generator']"``).
 
     Returns:
-      The loss-scale state (its leaves as arrays).
+      The loss-scale state (its leaves as arrays: the optimizer state's own). A
+      ``DynamicLossScale`` comes with the wrapper's failure register as its ``failure``,
+      so that its state dict and :func:`check` say whether the run failed.
 
     Raises:
       ValueError: if there is no loss scale, or several and ``path`` does not pick one
@@ -92,7 +94,7 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
     """
     if isinstance(opt_state, SCALER_TYPES):  # already the loss scale (ls.check takes it too)
         return opt_state
-    return wrapper_state(opt_state, path).scaler
+    return scaler_alone(wrapper_state(opt_state, path))
 
 
 def wrapper_state(opt_state: Any, path: str | None = None) -> LossScalingState:

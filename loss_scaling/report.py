@@ -18,7 +18,7 @@ from loss_scaling.core.scalers import (
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
-    replace_leaves,
+    with_failure,
 )
 from loss_scaling.core.update import scaler_failure_message
 from loss_scaling.core.validation import normal_float32
@@ -278,8 +278,7 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
         failure, scale = _read_once((getattr(state, "failure", None), state.loss_scale))
         failure = _failure_code(failure, scale)
         if np.any(failure != _errors.Failure.NONE):
-            if isinstance(state, DynamicLossScale):  # the code found, also INVALID_SCALE
-                state = replace_leaves(state, failure=failure)
+            state = with_failure(state, failure)  # the code found, also INVALID_SCALE
             raise _errors.LossScaleError(scaler_failure_message(_first_failing(state, failure)))
         return
     refuse_misplaced_wrapper(state)

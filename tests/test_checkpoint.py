@@ -571,9 +571,9 @@ def test_orbax_helpers_refuse_a_stored_scale_the_json_does_not_confirm(tmp_path)
     # Plain Orbax restores any stored scale unchecked, -32768 included.
     state = stepped(ls_state())
     bad = state.replace(opt_state=state.opt_state._replace(
-        scaler=jax.tree.map(lambda x: x, ls.get_loss_scale(state))))
-    poisoned = jax.tree.unflatten(jax.tree.structure(ls.get_loss_scale(bad)), [
-        jnp.float32(-32768.0), *jax.tree.leaves(ls.get_loss_scale(bad))[1:]])
+        scaler=jax.tree.map(lambda x: x, state.opt_state.scaler)))
+    poisoned = jax.tree.unflatten(jax.tree.structure(bad.opt_state.scaler), [
+        jnp.float32(-32768.0), *jax.tree.leaves(bad.opt_state.scaler)[1:]])
     bad = bad.replace(opt_state=bad.opt_state._replace(scaler=poisoned))
     with ocp.CheckpointManager(tmp_path / "plain") as mngr:
         mngr.save(1, args=ocp.args.StandardSave(bad))

@@ -17,7 +17,13 @@ from loss_scaling.checkpoint.state_dict import (
     static_factor,
 )
 from loss_scaling.core import fields, headroom
-from loss_scaling.core.scalers import DynamicLossScale, LossScale, StaticLossScale
+from loss_scaling.core.scalers import (
+    DynamicLossScale,
+    LossScale,
+    StaticLossScale,
+    holds_failure,
+    with_failure,
+)
 from loss_scaling.core.validation import scale_in_range
 
 USE_RESTORE_WITH_CONFIG = (
@@ -164,8 +170,11 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
 
 
 def _in_layout(scaler: LossScale, target: LossScale) -> LossScale:
-    """``scaler`` (scalars) in the layout of a concrete ``target`` (replicated, sharded)."""
+    """``scaler`` (scalars) in the layout of a concrete ``target`` (replicated, sharded);
+    a ``failure`` in the layout of the counters where ``target`` has none (a wrapper's)."""
     if not all(map(is_concrete, jax.tree.leaves(target))):
         return scaler
+    if isinstance(target, DynamicLossScale) and not holds_failure(target):
+        target = with_failure(target, target.growth_tracker)
     return jax.tree.map(place_like, scaler, target)
 

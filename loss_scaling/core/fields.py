@@ -151,6 +151,8 @@ class Leaf(NamedTuple):
       bounds: for an integer leaf, ``config -> (low, high, how high is named)``, the name
         a template of the config's name (``{c}``); ``None`` for a float leaf.
       doc: what it holds.
+      alone_only: only a scaler on its own has it; one that a ``with_loss_scaling`` state
+        holds does not (the wrapper's register holds the fact: ``failure``).
     """
 
     name: str
@@ -159,6 +161,7 @@ class Leaf(NamedTuple):
     window: bool
     bounds: Callable[[DynamicConfig], tuple[int, int, str]] | None
     doc: str
+    alone_only: bool = False
 
 
 LEAVES: tuple[Leaf, ...] = (
@@ -171,7 +174,8 @@ LEAVES: tuple[Leaf, ...] = (
          "non-finite steps in a row, up to hysteresis"),
     Leaf("failure", "int32", None, False,
          lambda c: (0, int(max(Failure)), "the largest loss_scaling.Failure code"),
-         "the Failure code, 0 while healthy"),
+         "the Failure code, 0 while healthy (held by a wrapper: the wrapper's `failure`)",
+         alone_only=True),
     Leaf(headroom.HISTORY, "float32", headroom.RULE, True, None,
          "recent unscaled maxima of |g|, a ring"),
     Leaf("headroom_tracker", "int32", headroom.RULE, False, headroom.tracker_range,
@@ -186,9 +190,12 @@ LOSS_SCALE = "loss_scale"
 FAILURE = "failure"
 
 
-def dynamic_leaf_names(growth: str) -> tuple[str, ...]:
-    """The leaves of a ``DynamicLossScale`` of the rule ``growth``, in flattening order."""
-    return tuple(leaf.name for leaf in LEAVES if leaf.rule in (None, growth))
+def dynamic_leaf_names(growth: str, alone: bool = True) -> tuple[str, ...]:
+    """The leaves of a ``DynamicLossScale`` of the rule ``growth``, in flattening order:
+    on its own (``alone``), or as a ``with_loss_scaling`` state holds it (no ``failure``:
+    the wrapper's register is the one)."""
+    return tuple(leaf.name for leaf in LEAVES
+                 if leaf.rule in (None, growth) and (alone or not leaf.alone_only))
 
 
 ALL_DYNAMIC_LEAF_NAMES = tuple(leaf.name for leaf in LEAVES)

@@ -159,7 +159,7 @@ class DynamicLossScale:
     loss_scale: jax.Array
     growth_tracker: jax.Array
     nonfinite_tracker: jax.Array
-    failure: jax.Array
+    failure: jax.Array | None
     grad_max_history: jax.Array | None
     headroom_tracker: jax.Array | None
     ceiling: jax.Array | None
@@ -211,7 +211,8 @@ for _setting in fields.SETTINGS:  # each setting read through the config, as a p
 
 
 def _fill(state: DynamicLossScale, config: DynamicConfig, leaves: tuple[Any, ...]) -> None:
-    names = fields.dynamic_leaf_names(config.growth)
+    alone = len(leaves) == len(fields.dynamic_leaf_names(config.growth))
+    names = fields.dynamic_leaf_names(config.growth, alone)
     object.__setattr__(state, "config", config)
     object.__setattr__(state, "_names", names)
     for name in fields.ALL_DYNAMIC_LEAF_NAMES:
@@ -222,8 +223,8 @@ def _fill(state: DynamicLossScale, config: DynamicConfig, leaves: tuple[Any, ...
 
 def dynamic_from_leaves(config: DynamicConfig, leaves: Any) -> DynamicLossScale:
     """A ``DynamicLossScale`` of ``config`` holding ``leaves`` (in
-    :func:`fields.dynamic_leaf_names` order), without validation: unflatten, and the
-    checkpoint formats after their own checks."""
+    :func:`fields.dynamic_leaf_names` order, with ``failure`` or without it: a wrapper's),
+    without validation: unflatten, and the checkpoint formats after their own checks."""
     state = object.__new__(DynamicLossScale)
     _fill(state, config, tuple(leaves))
     return state
@@ -296,6 +297,35 @@ def loss_scale_for(compute_dtype: Any, **dynamic_options: Any) -> LossScale:
 
 
 # ------------------------------------------------------------------ pytree registration
+
+def holds_failure(scaler: Any) -> bool:
+    """Whether ``scaler`` is a ``DynamicLossScale`` with its own ``failure`` leaf (on its
+    own), not one a ``with_loss_scaling`` state holds (whatever the leaf's value: a
+    placeholder may be None)."""
+    return isinstance(scaler, DynamicLossScale) and fields.FAILURE in scaler.leaf_names
+
+
+def without_failure(scaler: LossScale) -> LossScale:
+    """``scaler`` as a ``with_loss_scaling`` state holds it: a ``DynamicLossScale``
+    without its ``failure`` leaf (the wrapper's register is the one); the others as they
+    are. The code goes to the wrapper's register (``wrapper.state.carried_failure``)."""
+    if not holds_failure(scaler):
+        return scaler
+    assert isinstance(scaler, DynamicLossScale)
+    names = fields.dynamic_leaf_names(scaler.config.growth, alone=False)
+    return dynamic_from_leaves(scaler.config, tuple(getattr(scaler, n) for n in names))
+
+
+def with_failure(scaler: LossScale, code: Any) -> LossScale:
+    """``scaler`` on its own, its ``failure`` leaf ``code`` (a ``DynamicLossScale``; the
+    others have none and are returned as they are): what ``get_loss_scale`` returns for a
+    wrapper's scaler, the wrapper's register read into it."""
+    if not isinstance(scaler, DynamicLossScale):
+        return scaler
+    values = {**{n: getattr(scaler, n) for n in scaler.leaf_names}, fields.FAILURE: code}
+    return dynamic_from_leaves(scaler.config, tuple(
+        values[n] for n in fields.dynamic_leaf_names(scaler.config.growth)))
+
 
 def leaf_names(scaler: Any) -> tuple[str, ...]:
     """The leaf names of any scaler, in flattening order (``()`` for NoOpLossScale)."""

@@ -18,8 +18,10 @@ from loss_scaling.core.scalers import (
     LossScale,
     StaticLossScale,
     dynamic_from_leaves,
+    holds_failure,
     replace_leaves,
     require_scaler,
+    with_failure,
 )
 from loss_scaling.core.validation import F32, is_traced
 
@@ -86,17 +88,26 @@ def _clean_step(state: DynamicLossScale,
 
 def _dynamic_step(
     state: DynamicLossScale, finite: jax.Array, grads_max: jax.Array | None = None,
-    backoff: bool = False, valid: jax.Array | None = None,
-) -> tuple[DynamicLossScale, jax.Array]:
-    """One application of the rule: (new state, whether it failed on this step).
+    backoff: bool = False, valid: jax.Array | None = None, healthy: jax.Array | None = None,
+) -> tuple[DynamicLossScale, jax.Array, jax.Array]:
+    """One application of the rule: (new state, its failure code after this step (held by
+    a wrapper: this step's code, which the wrapper keeps only while healthy), whether it
+    failed on this step).
 
     ``backoff=True`` is :func:`backoff_now`; ``valid``, the scale's validity when the caller
     checked it already. Fail closed and sticky: a failing step records a :class:`Failure`
-    code and keeps every value, and a failed state never changes again.
+    code and keeps every value, and a failed state never changes again. A scaler on its
+    own records the code in its ``failure`` leaf and is healthy while that is 0; one held
+    by a wrapper has no such leaf: the wrapper says whether it is ``healthy`` and keeps
+    the code returned in its own register.
     """
     config = state.config
     scale, tracker, streak = state.loss_scale, state.growth_tracker, state.nonfinite_tracker
-    healthy = state.failure == 0
+    own = state.failure if holds_failure(state) else None  # its register, if on its own
+    if healthy is None:
+        assert own is not None, "a wrapper's scaler: the wrapper says if it is healthy"
+        healthy = own == 0
+    assert healthy is not None
     valid = is_positive_normal(scale) if valid is None else valid
     clean = _clean_step(state, grads_max)
 
@@ -122,26 +133,44 @@ def _dynamic_step(
         stepped.update(headroom.nonfinite_step(state, finite, backs_off, shrunk, clean))
     new_leaves = {name: jnp.where(frozen, getattr(state, name), value)
                   for name, value in stepped.items()}
-    new_leaves["failure"] = jnp.where(healthy, code.astype(jnp.int32), state.failure)
-    return replace_leaves(state, **new_leaves), fails
+    if own is None:  # the wrapper keeps the code (and its own, once failed)
+        return replace_leaves(state, **new_leaves), code.astype(jnp.int32), fails
+    new_leaves["failure"] = jnp.where(healthy, code.astype(jnp.int32), own)
+    return replace_leaves(state, **new_leaves), new_leaves["failure"], fails
 
 
 _dynamic_step_jit = jax.jit(_dynamic_step, static_argnames="backoff")
 
 
 def _run(state: DynamicLossScale, finite: jax.Array, grads_max: jax.Array | None,
-         backoff: bool = False, valid: jax.Array | None = None
-         ) -> tuple[DynamicLossScale, jax.Array]:
+         backoff: bool = False, valid: jax.Array | None = None,
+         healthy: jax.Array | None = None) -> tuple[DynamicLossScale, jax.Array, jax.Array]:
     """The rule traced in place inside a trace, else one cached compiled call."""
-    if any(is_traced(x) for x in jax.tree.leaves((state, finite, grads_max, valid))):
-        return _dynamic_step(state, finite, grads_max, backoff, valid)
-    return _dynamic_step_jit(state, finite, grads_max, backoff=backoff, valid=valid)
+    if any(is_traced(x) for x in jax.tree.leaves((state, finite, grads_max, valid, healthy))):
+        return _dynamic_step(state, finite, grads_max, backoff, valid, healthy)
+    return _dynamic_step_jit(state, finite, grads_max, backoff=backoff, valid=valid,
+                             healthy=healthy)
 
 
 def step_recorded(state: DynamicLossScale, finite: jax.Array, *, grads_max: Any = None,
-                  valid: jax.Array | None = None) -> DynamicLossScale:
-    """:func:`update`'s new state with a failure only recorded, never raised (eager too)."""
-    return _run(state, jnp.asarray(finite), _as_grads_max(state, grads_max), valid=valid)[0]
+                  valid: jax.Array | None = None,
+                  healthy: jax.Array | None = None) -> tuple[DynamicLossScale, jax.Array]:
+    """:func:`update`'s new state and its failure code, a failure only recorded, never
+    raised (eager too): the wrapper's step, which keeps the code in its own register."""
+    new_state, code, _ = _run(state, jnp.asarray(finite), _as_grads_max(state, grads_max),
+                              valid=valid, healthy=healthy)
+    return new_state, code
+
+
+def backoff_step(state: LossScale) -> tuple[LossScale, jax.Array]:
+    """:func:`backoff_now` and the failure code it leaves (0: it backed off cleanly); a
+    wrapper's scaler is taken to be healthy (the wrapper checks its own register)."""
+    if not isinstance(state, DynamicLossScale):
+        return state, jnp.zeros((), jnp.int32)
+    peak = jnp.zeros((), jnp.float32) if headroom.is_headroom(state) else None
+    healthy = None if holds_failure(state) else jnp.asarray(True)
+    new_state, code, _ = _run(state, jnp.asarray(False), peak, backoff=True, healthy=healthy)
+    return new_state, code
 
 
 def backoff_now(state: LossScale) -> LossScale:
@@ -157,10 +186,7 @@ def backoff_now(state: LossScale) -> LossScale:
       >>> float(s.loss_scale), int(s.nonfinite_tracker)
       (512.0, 1)
     """
-    if not isinstance(state, DynamicLossScale):
-        return state
-    peak = jnp.zeros((), jnp.float32) if headroom.is_headroom(state) else None
-    return _run(state, jnp.asarray(False), peak, backoff=True)[0]
+    return backoff_step(state)[0]
 
 
 def is_positive_normal(scale: Any) -> jax.Array:
@@ -183,19 +209,12 @@ def resolve_on_failure(on_failure: Any) -> OnFailure:
 
 
 def scaler_failure_message(scaler: DynamicLossScale | StaticLossScale) -> str:
-    """The host-side message for a failed scaler (concrete, unreplicated values)."""
-    code = Failure(int(np.asarray(getattr(scaler, "failure", Failure.INVALID_SCALE))))
-    if code == Failure.BACKOFF_UNDERFLOW:
-        assert isinstance(scaler, DynamicLossScale)
-        # In Python floats: a host callback runs on a thread that flushes float32 subnormals.
-        old, factor = float(scaler.loss_scale), scaler.config.backoff_factor
-        return _errors.BACKOFF_UNDERFLOW.format(old=old, factor=factor, new=old * factor,
-                                                tiny=float(F32.tiny))
-    if code == Failure.TOO_MANY_SKIPS:  # written by the wrapper (one register)
-        return _errors.SCALER_TOO_MANY_SKIPS.format(scale=float(scaler.loss_scale))
-    if code == Failure.NONFINITE_LOSS:  # written by the wrapper too
-        return _errors.SCALER_NONFINITE_LOSS.format(scale=float(scaler.loss_scale))
-    return _errors.invalid_scale_message(scaler.loss_scale)
+    """The host-side message for a scaler on its own that failed (concrete, unreplicated
+    values): its code, else ``INVALID_SCALE`` (:func:`loss_scaling._errors.failure_message`)."""
+    code = getattr(scaler, "failure", None)
+    return _errors.failure_message(
+        Failure.INVALID_SCALE if code is None else code, scale=scaler.loss_scale,
+        backoff_factor=getattr(getattr(scaler, "config", None), "backoff_factor", None))
 
 
 def update(
@@ -251,7 +270,11 @@ def update(
     peak = _as_grads_max(state, grads_max)
     if not isinstance(state, DynamicLossScale):
         return state
-    new_state, fails = _run(state, finite, peak)
+    if not holds_failure(state):  # a wrapper's scaler, without the register: its own again
+        alone = with_failure(state, jnp.zeros_like(state.growth_tracker))
+        assert isinstance(alone, DynamicLossScale)
+        state = alone
+    new_state, _, fails = _run(state, finite, peak)
     if any(is_traced(x) for x in jax.tree.leaves((state, finite, peak))):
         if on_failure == "raise":
             def message(*leaves: Any) -> str:

@@ -21,6 +21,7 @@ from loss_scaling.core.scalers import (
     NoOpLossScale,
     StaticLossScale,
     dynamic_from_leaves,
+    without_failure,
 )
 from loss_scaling.core.tree import any_leaf
 from loss_scaling.grad import WRONG_FIRST_ARGUMENT, argnums_within, scaled_loss, scaler_of_state
@@ -270,8 +271,8 @@ def _scaler_from_mapping(node: Any) -> LossScale:
     config: Any = metadata.get(CONFIG_METADATA)
     if config is None:
         raise ValueError(NO_CONFIG)
-    return dynamic_from_leaves(config, tuple(
-        node[name] for name in fields.dynamic_leaf_names(config.growth)))
+    return dynamic_from_leaves(config, tuple(node[name] for name in fields.dynamic_leaf_names(
+        config.growth, alone=fields.FAILURE in node)))
 
 
 def replace_scale(state: Any, new: LossScale, path: str | None) -> Any:
@@ -281,13 +282,13 @@ def replace_scale(state: Any, new: LossScale, path: str | None) -> Any:
     if not isinstance(state, nnx.Optimizer) and not any_leaf(is_variable, state):
         return NotImplemented
 
-    target = get_loss_scale(state, path)  # clear errors for none or several
+    target = without_failure(get_loss_scale(state, path))  # clear errors for none or several
     wrapper = wrapper_state(state, path)
     # The lookup returns the values the Variables hold: they identify the Variables.
     holder = state.opt_state if isinstance(state, nnx.Optimizer) else state
     variables = jax.tree.leaves(holder, is_leaf=is_variable)
     replace = {}
-    pairs = [*zip(jax.tree.leaves(target), jax.tree.leaves(new), strict=True),
+    pairs = [*zip(jax.tree.leaves(target), jax.tree.leaves(without_failure(new)), strict=True),
              (wrapper.failure, carried_failure(wrapper.failure, new))]
     for old_leaf, new_leaf in pairs:
         owners = [v for v in variables if is_variable(v) and v.get_value() is old_leaf]

@@ -14,10 +14,9 @@ import optax
 
 from loss_scaling import _errors
 from loss_scaling._deprecation import LAST_STEP_FINITE
-from loss_scaling._errors import Failure
 from loss_scaling.core.numerics import AxisName
-from loss_scaling.core.scalers import LossScale
-from loss_scaling.core.update import OnFailure, scaler_failure_message
+from loss_scaling.core.scalers import LossScale, with_failure, without_failure
+from loss_scaling.core.update import OnFailure
 
 SkipMode = Literal["auto", "cond", "select"]
 NonFiniteLoss = Literal["backoff", "skip"]
@@ -41,7 +40,9 @@ class LossScalingState(NamedTuple):
 
     Attributes:
       scaler: the loss-scale state (``NoOpLossScale``, ``StaticLossScale`` or
-        ``DynamicLossScale``) that scales the *next* step's loss.
+        ``DynamicLossScale``) that scales the *next* step's loss. A ``DynamicLossScale``
+        here has no ``failure`` leaf: ``failure`` below is the one register
+        (:func:`loss_scaling.get_loss_scale` returns the scaler with it).
       inner_state: the wrapped optimizer's state; unchanged by skipped steps.
       skipped_steps: int32, steps skipped in total (saturating).
       consecutive_skips: int32, steps skipped since the last applied one (saturating):
@@ -213,7 +214,7 @@ def initial_state(scaler: LossScale, inner_state: Any, n_grads: int,
     """The state ``init`` returns: every leaf with an explicit dtype; a failed scaler
     (restored from its state dict) fails the wrapper."""
     return LossScalingState(
-        scaler=scaler,
+        scaler=without_failure(scaler),  # its code in the state's one register
         inner_state=inner_state,
         skipped_steps=jnp.zeros((), jnp.int32),
         consecutive_skips=jnp.zeros((), jnp.int32),
@@ -234,12 +235,20 @@ def initial_state(scaler: LossScale, inner_state: Any, n_grads: int,
 
 
 def carried_failure(failure: jax.Array, new: LossScale) -> jax.Array:
-    """The wrapper's failure register once ``new`` is its scaler (``init``,
-    ``restore_loss_scale``): a failed run stays failed, and a failed scaler fails it."""
+    """The wrapper's failure register once ``new``, a scaler on its own, is its scaler
+    (``init``, ``restore_loss_scale``; held as :func:`without_failure`): a failed run
+    stays failed, and a failed scaler fails it."""
     code = getattr(new, "failure", None)
     if code is None:
         return failure
     return jnp.where(failure != 0, failure, jnp.asarray(code, jnp.int32)).astype(jnp.int32)
+
+
+def scaler_alone(state: LossScalingState) -> LossScale:
+    """The wrapper's scaler as a state on its own (what ``get_loss_scale`` returns): a
+    ``DynamicLossScale`` with the wrapper's register as its ``failure``, so that its
+    state dict and ``ls.check`` say a failed run failed (its arrays: the state's own)."""
+    return with_failure(state.scaler, state.failure)
 
 
 def differentiated(params: Any) -> Any:
@@ -290,25 +299,19 @@ def warn_low_precision_state(params: Any, inner_state: Any) -> None:
 
 
 def wrapper_failure_message(state: LossScalingState, names: list[str] | None = None) -> str:
-    """The host-side message for a failed wrapper state (concrete, one replica).
+    """The host-side message for a failed wrapper state (concrete, one replica):
+    :func:`loss_scaling._errors.failure_message` of its register, with its count.
 
     ``names`` names the gradient leaves (:func:`key_path_names` of the params or gradients);
     without them, leaves are named by their index in ``jax.tree.leaves`` order.
     """
-    code = Failure(int(np.asarray(state.failure)))
-    if code == Failure.TOO_MANY_SKIPS:
-        flags = np.asarray(state.nonfinite_grads).reshape(-1)
-        if names is None or len(names) != flags.size:
-            names = [f"leaf #{i}" for i in range(flags.size)]
-        return _errors.too_many_skips_message(
-            state.failure_skips, jnp.asarray(state.scaler.loss_scale),
-            [name for name, bad in zip(names, flags, strict=True) if bad])
-    if code == Failure.NONFINITE_LOSS:
-        return _errors.nonfinite_loss_message(state.failure_skips,
-                                              jnp.asarray(state.scaler.loss_scale))
-    if code == Failure.BACKOFF_UNDERFLOW:
-        return scaler_failure_message(state.scaler)  # type: ignore[arg-type]
-    return _errors.invalid_scale_message(jnp.asarray(state.scaler.loss_scale))
+    flags = np.asarray(state.nonfinite_grads).reshape(-1)
+    if names is None or len(names) != flags.size:
+        names = [f"leaf #{i}" for i in range(flags.size)]
+    return _errors.failure_message(
+        state.failure, scale=state.scaler.loss_scale, count=state.failure_skips,
+        backoff_factor=getattr(getattr(state.scaler, "config", None), "backoff_factor", None),
+        leaves=[name for name, bad in zip(names, flags, strict=True) if bad])
 
 
 def key_path_names(tree: Any) -> list[str]:

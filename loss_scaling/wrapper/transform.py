@@ -27,7 +27,6 @@ from loss_scaling.core.scalers import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
-    replace_leaves,
     require_scaler,
 )
 from loss_scaling.core.update import (
@@ -433,23 +432,27 @@ def _in_dtypes_of(new_state: Any, old_state: Any) -> Any:
 def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: Any,
                 decision: StepDecision, loss_given: bool) -> LossScalingState:
     applied = decision.apply
+    healthy = state.failure == Failure.NONE  # what the rule's own register said
     if options.nonfinite_loss == "skip":
         # The forward pass, not the scale, made the loss non-finite: leave the scale be.
         # Eagerly too: a backoff discarded here must not raise (as under jit).
-        stepped_scaler = _stepped_scaler(state.scaler, decision.grads_finite,
-                                         decision.grads_max, decision.valid_scale)
+        stepped_scaler, code = _stepped_scaler(state.scaler, decision.grads_finite,
+                                               decision.grads_max, decision.valid_scale,
+                                               healthy)
         stepped_scaler = optax.tree.where(decision.loss_finite, stepped_scaler, state.scaler)
+        code = jnp.where(decision.loss_finite, code, state.failure)
     else:
-        stepped_scaler = _stepped_scaler(state.scaler,
-                                         decision.grads_finite & decision.loss_finite,
-                                         decision.grads_max, decision.valid_scale)
+        stepped_scaler, code = _stepped_scaler(state.scaler,
+                                               decision.grads_finite & decision.loss_finite,
+                                               decision.grads_max, decision.valid_scale,
+                                               healthy)
     if replay.enabled(options, state):
         stepped_scaler = replay.no_growth_after(decision.replays, state.scaler, stepped_scaler)
     consecutive_skips = _count(state.consecutive_skips, applied, reset=True)
     nonfinite_losses = _count(state.consecutive_nonfinite_losses, decision.loss_finite,
                               reset=True)
 
-    failure, fails, new_scaler = _next_failure(options, state, stepped_scaler,
+    failure, fails, new_scaler = _next_failure(options, state, stepped_scaler, code,
                                                consecutive_skips, nonfinite_losses, decision,
                                                loss_given)
 
@@ -489,26 +492,26 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
 
 
 def _stepped_scaler(scaler: LossScale, finite: jax.Array, grads_max: jax.Array | None,
-                    valid: jax.Array) -> LossScale:
-    """The scaler's next state, a failure recorded but never raised (eager included): the
-    wrapper decides whether the step counts (``nonfinite_loss="skip"``) and raises itself
+                    valid: jax.Array, healthy: jax.Array) -> tuple[LossScale, jax.Array]:
+    """The scaler's next state and the failure code its rule leaves, a failure recorded
+    but never raised (eager included): the wrapper decides whether the step counts
+    (``nonfinite_loss="skip"``), keeps the code in its register and raises itself
     (:func:`_report`)."""
     if isinstance(scaler, DynamicLossScale):
-        return step_recorded(scaler, finite, grads_max=grads_max, valid=valid)
-    return scaler
+        return step_recorded(scaler, finite, grads_max=grads_max, valid=valid,
+                             healthy=healthy)
+    return scaler, jnp.zeros((), jnp.int32)
 
 
 def _next_failure(options: WrapperOptions, state: LossScalingState, stepped_scaler: LossScale,
-                  consecutive_skips: jax.Array, nonfinite_losses: jax.Array,
+                  code: jax.Array, consecutive_skips: jax.Array, nonfinite_losses: jax.Array,
                   decision: StepDecision,
                   loss_given: bool) -> tuple[jax.Array, jax.Array, LossScale]:
-    """The failure code after this step, whether it is new, and the scaler to keep: the
-    first failure wins and freezes the scaler. A dynamic scaler's own ``failure`` is
-    written from the wrapper's register, so that its state dict carries a
-    ``TOO_MANY_SKIPS`` too (``carried_failure``)."""
+    """The failure code after this step (the one register: the rule's ``code``, an
+    invalid scale, too many skips, too many non-finite losses), whether it is new, and
+    the scaler to keep: the first failure wins and freezes the scaler."""
     failed_before = state.failure != Failure.NONE
-    failure = getattr(stepped_scaler, "failure", jnp.int32(Failure.NONE))
-    failure = jnp.where(decision.valid_scale, failure, Failure.INVALID_SCALE)
+    failure = jnp.where(decision.valid_scale, code, Failure.INVALID_SCALE)
     if options.max_consecutive_skips is not None:
         failure = jnp.where(
             (failure == Failure.NONE) & (consecutive_skips >= options.max_consecutive_skips),
@@ -521,8 +524,6 @@ def _next_failure(options: WrapperOptions, state: LossScalingState, stepped_scal
     failure = jnp.where(failed_before, state.failure, failure).astype(jnp.int32)
     fails = ~failed_before & (failure != Failure.NONE)
     new_scaler = optax.tree.where(failed_before, state.scaler, stepped_scaler)
-    if isinstance(new_scaler, DynamicLossScale):
-        new_scaler = replace_leaves(new_scaler, failure=failure)
     return failure, fails, new_scaler
 
 
