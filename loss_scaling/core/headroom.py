@@ -50,16 +50,16 @@ if TYPE_CHECKING:
 
 RULE = "headroom"
 """The ``growth`` value of this rule."""
-OPTIONS = ("headroom_margin", "headroom_window", "headroom_dtype")
-"""Its options (``growth="headroom"`` only)."""
 DEFAULTS: Mapping[str, Any] = {"headroom_margin": 2.0**4, "headroom_window": 16,
                                "headroom_dtype": "float16"}
+"""Its options (``growth="headroom"`` only; :mod:`loss_scaling.core.fields` declares how
+each is checked and read) and their defaults."""
+OPTIONS = tuple(DEFAULTS)
 MAX_WINDOW = 2**16
 """The longest ``headroom_window``."""
-LEAVES = ("grad_max_history", "headroom_tracker", "ceiling")
-"""Its leaves, after the interval rule's (:mod:`loss_scaling.core.fields` declares them)."""
 HISTORY = "grad_max_history"
-"""The leaf that holds ``headroom_window`` entries (the others are scalars)."""
+"""Its leaf that holds ``headroom_window`` entries; :mod:`loss_scaling.core.fields`
+declares it and its two scalars, ``headroom_tracker`` and ``ceiling``."""
 
 
 def is_headroom(scaler: Any) -> bool:
@@ -106,7 +106,7 @@ def refuse_options_without_rule(options: Mapping[str, Any]) -> None:
 
 
 def initial_leaves(config: DynamicConfig) -> tuple[Any, ...]:
-    """A new state's :data:`LEAVES`: an empty window, no steps, the ceiling at the top."""
+    """A new state's own leaves: an empty window, no steps, the ceiling at the top."""
     assert config.headroom_window is not None
     return (jnp.zeros((config.headroom_window,), jnp.float32), jnp.zeros((), jnp.int32),
             jnp.asarray(scale_range(config)[1], jnp.float32))
@@ -129,7 +129,7 @@ def history_in_range(name: str, values: Any) -> None:
 
 
 def adopted(values: Mapping[str, Any], config: DynamicConfig) -> dict[str, Any]:
-    """The saved :data:`LEAVES` under a target configuration (``restore_with_config``):
+    """The saved leaves of this rule under a target configuration (``restore_with_config``):
     the history kept if its window has the target's length (else it starts over), the
     ceiling clamped into the target's range (its top when none was saved); ``{}`` for
     the interval rule."""
@@ -237,7 +237,7 @@ def clean_step(state: DynamicLossScale, grads_max: jax.Array, lifts: jax.Array,
 
 def nonfinite_step(state: DynamicLossScale, finite: jax.Array, backs_off: jax.Array,
                    shrunk: jax.Array, clean: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """:data:`LEAVES` after a step: ``clean``'s on a finite one; a backoff sets the ceiling
+    """This rule's leaves after a step: ``clean``'s on a finite one; a backoff sets the ceiling
     strictly below the scale that overflowed (to the backed-off ``shrunk``) and starts
     the window over: growth waits ``window`` clean steps."""
     history, steps, ceiling, _ = parts(state)
