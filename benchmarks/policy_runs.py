@@ -124,7 +124,7 @@ def make_scaler(policy: Policy, config: Config) -> ls.DynamicLossScale:
 
 
 def make_optimizer(policy: Policy, config: Config,
-                   learning_rate: float) -> ls.LossScalingTransformation:
+                   learning_rate: float) -> optax.GradientTransformationExtraArgs:
     """Adam with a cosine decay, wrapped; a NaN loss skips without touching the scale."""
     replays = {"max_replays": config.max_replays} if policy.replay else {}
     schedule = optax.cosine_decay_schedule(learning_rate, decay_steps=config.steps)
@@ -284,7 +284,7 @@ class StepRecord(NamedTuple):
     small_fraction: jax.Array  # nonzero, but below float16's smallest normal unscaled
 
 
-def make_train_step(loss_fn: Callable[..., jax.Array], tx: ls.LossScalingTransformation,
+def make_train_step(loss_fn: Callable[..., jax.Array], tx: optax.GradientTransformationExtraArgs,
                     replay: bool) -> Callable[..., Any]:
     """The jitted step ``(params, opt_state, step, spikes, nans) -> (params, opt_state,
     StepRecord)``; ``spikes`` and ``nans`` are the whole run's fault schedule."""

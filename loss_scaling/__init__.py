@@ -32,11 +32,7 @@ from loss_scaling.integrations.linen import TrainState
 from loss_scaling.lookup import get_loss_scale
 from loss_scaling.report import check, metrics, nonfinite_grad_paths
 from loss_scaling.wrapper.state import SUSPICIOUS_GROWTHS, LossScalingState, UnderflowStats
-from loss_scaling.wrapper.transform import (
-    LossScalingTransformation,
-    apply_gradients,
-    with_loss_scaling,
-)
+from loss_scaling.wrapper.transform import apply_gradients, with_loss_scaling
 
 __version__ = "0.1.0"
 
@@ -53,7 +49,6 @@ __all__ = [
     "LossScaleError",
     "LossScaleWarning",
     "LossScalingState",
-    "LossScalingTransformation",
     "NoOpLossScale",
     "OverflowReport",
     "SUSPICIOUS_GROWTHS",
@@ -113,5 +108,8 @@ def __getattr__(name: str) -> object:
     renamed = package_alias(name)
     if renamed is not None:  # an old name: its new one, with a DeprecationWarning
         renamed.warn()
+        if "." in renamed.new:  # outside the package
+            module, attribute = renamed.new.rsplit(".", 1)
+            return getattr(importlib.import_module(module), attribute)
         return globals()[renamed.new] if renamed.new in globals() else __getattr__(renamed.new)
     raise AttributeError(f"module 'loss_scaling' has no attribute {name!r}")

@@ -7,7 +7,7 @@ import warnings
 from typing import NamedTuple
 
 RENAMED = (
-    "{owner}.{old} is deprecated (renamed in {since}): use {owner}.{new}, which it returns. "
+    "{owner}.{old} is deprecated (renamed in {since}): use {new_path}, which it returns. "
     "The old name will be removed in a later release."
 )
 
@@ -20,7 +20,8 @@ class Renamed(NamedTuple):
         a property under the old name), or ``"loss_scaling"`` for a name of the package
         (the package's ``__getattr__`` answers it).
       old: the name before.
-      new: the name now.
+      new: the name now: in ``owner``, or a dotted path outside the package
+        (``"optax.GradientTransformationExtraArgs"``).
       since: the change that renamed it.
     """
 
@@ -29,17 +30,29 @@ class Renamed(NamedTuple):
     new: str
     since: str
 
+    @property
+    def new_path(self) -> str:
+        """Where the new name lives: ``owner.new``, or ``new`` itself when dotted."""
+        return self.new if "." in self.new else f"{self.owner}.{self.new}"
+
     def warn(self, stacklevel: int = 3) -> None:
         """The ``DeprecationWarning``, pointed at the caller of the old name's accessor."""
-        warnings.warn(RENAMED.format(**self._asdict()), DeprecationWarning,
-                      stacklevel=stacklevel)
+        warnings.warn(RENAMED.format(**self._asdict(), new_path=self.new_path),
+                      DeprecationWarning, stacklevel=stacklevel)
 
 
 LAST_STEP_FINITE = Renamed("LossScalingState", "last_step_finite", "last_step_applied",
                            since="issue 34")
 """A field of the state until 250089d, whose checkpoints restore today."""
 
-RENAMES: tuple[Renamed, ...] = (LAST_STEP_FINITE,)
+LOSS_SCALING_TRANSFORMATION = Renamed(
+    "loss_scaling", "LossScalingTransformation", "optax.GradientTransformationExtraArgs",
+    since="issue 41")
+"""The class ``with_loss_scaling`` returned, an optax transformation that also carried its
+options (``tx.options``): it returns the optax class itself now, its options on
+``tx.update`` only."""
+
+RENAMES: tuple[Renamed, ...] = (LAST_STEP_FINITE, LOSS_SCALING_TRANSFORMATION)
 """Every public name renamed since checkpoints were first treated as released (250089d)."""
 
 

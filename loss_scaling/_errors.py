@@ -103,7 +103,7 @@ INVALID_SCALE = (
 )
 
 TOO_MANY_SKIPS = (
-    "{count} consecutive optimizer steps skipped (max_consecutive_skips={count}); the loss "
+    "{count} consecutive optimizer steps skipped ({setting}); the loss "
     "scale is now {scale!r}. Gradient leaves non-finite on the last skipped step: {leaves}. "
     "Backing off does not help, so " + _STOPS + ": look for the source of the inf/NaN there "
     "(or raise max_consecutive_skips). " + _FIND_OVERFLOW + "; "
@@ -112,15 +112,11 @@ TOO_MANY_SKIPS = (
 
 NONFINITE_LOSS = (
     "the loss was not finite (inf/NaN) on {count} consecutive steps "
-    "(with_loss_scaling's max_nonfinite_losses; the loss scale is {scale!r}), so " + _STOPS
+    "({setting}; the loss scale is {scale!r}), so " + _STOPS
     + ". The loss is computed before it is scaled: the forward pass itself fails (a float16 "
     "overflow, a log of 0, a bad batch), which no loss scale can fix. " + _FIND_OVERFLOW
     + "; compute that part in float32, or fix the data."
 )
-
-
-def nonfinite_loss_message(count: Any, scale: Any) -> str:
-    return NONFINITE_LOSS.format(count=int(np.asarray(count)), scale=_host_float(scale))
 
 
 _repr = reprlib.Repr()
@@ -143,33 +139,51 @@ def show(value: Any, limit: int = 80, *, type_only: bool = False) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-SCALER_TOO_MANY_SKIPS = (
-    "the run stopped: the optimizer wrapper skipped max_consecutive_skips consecutive steps "
-    "(the loss scale is now {scale!r}) and recorded it in this loss scale, so a state saved "
-    "from it resumes failed too. `loss_scaling.check(opt_state, params)` names the "
-    "non-finite gradient leaves; " + _FIND_OVERFLOW + "."
-)
-
-SCALER_NONFINITE_LOSS = (
-    "the run stopped: the loss given to the optimizer wrapper was not finite on "
-    "max_nonfinite_losses consecutive steps (the loss scale is now {scale!r}); the "
-    "forward pass itself fails, which no loss scale can fix. " + _FIND_OVERFLOW + "."
-)
-
-
 def _host_float(x: Any) -> float:
     """A float32 array's value as a Python float, which the templates format."""
     return float(np.asarray(x, np.float32))
 
 
-def invalid_scale_message(value: Any) -> str:
-    return INVALID_SCALE.format(value=_host_float(value), tiny=float(_F32.tiny),
+UNKNOWN_LEAVES = ("not known to a loss scale on its own (`loss_scaling.check(opt_state, "
+                  "params)` names them)")
+
+
+def failure_message(code: Any, *, scale: Any, backoff_factor: float | None = None,
+                    count: Any = None, leaves: list[str] | None = None) -> str:
+    """The one message of each :class:`Failure` code, from recorded values (host side).
+
+    Args:
+      code: the code (not ``NONE``).
+      scale: the loss scale the state holds (its last valid one; for ``INVALID_SCALE``
+        the invalid value).
+      backoff_factor: the scaler's (``BACKOFF_UNDERFLOW``).
+      count: the count that ended the run (the wrapper's ``failure_skips``), or ``None``
+        for a loss scale on its own, which does not hold it.
+      leaves: the names of the gradient leaves non-finite on the last skipped step
+        (``TOO_MANY_SKIPS``), or ``None`` where they are not known.
+    """
+    code = Failure(int(np.asarray(code)))
+    counted = (None if count is None else int(np.asarray(count)))
+    if code == Failure.BACKOFF_UNDERFLOW:
+        assert backoff_factor is not None
+        # In Python floats: a host callback runs on a thread that flushes float32 subnormals.
+        old = _host_float(scale)
+        return BACKOFF_UNDERFLOW.format(old=old, factor=backoff_factor,
+                                        new=old * backoff_factor, tiny=float(_F32.tiny))
+    if code == Failure.TOO_MANY_SKIPS:
+        return TOO_MANY_SKIPS.format(
+            count="max_consecutive_skips" if counted is None else counted,
+            setting=("recorded in this loss scale" if counted is None
+                     else f"max_consecutive_skips={counted}"),
+            scale=_host_float(scale),
+            leaves=UNKNOWN_LEAVES if leaves is None else (
+                ", ".join(leaves) or "none (the loss was non-finite)"))
+    if code == Failure.NONFINITE_LOSS:
+        return NONFINITE_LOSS.format(
+            count="max_nonfinite_losses" if counted is None else counted,
+            setting="with_loss_scaling's max_nonfinite_losses", scale=_host_float(scale))
+    return INVALID_SCALE.format(value=_host_float(scale), tiny=float(_F32.tiny),
                                 max=float(_F32.max))
-
-
-def too_many_skips_message(count: Any, scale: Any, leaves: list[str]) -> str:
-    return TOO_MANY_SKIPS.format(count=int(np.asarray(count)), scale=_host_float(scale),
-                                 leaves=", ".join(leaves) or "none (the loss was non-finite)")
 
 
 def raise_in_graph(newly_failed: jax.Array, message: Callable[..., str], *values: Any) -> None:

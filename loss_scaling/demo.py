@@ -123,7 +123,7 @@ MODES: tuple[Mode, ...] = (
 )
 
 
-def make_optimizer(mode: Mode, steps: int) -> ls.LossScalingTransformation:
+def make_optimizer(mode: Mode, steps: int) -> optax.GradientTransformationExtraArgs:
     """Adam with a cosine-decayed learning rate, wrapped in ``with_loss_scaling``.
 
     Every mode uses the wrapper; only the scaler differs (``NoOpLossScale`` is the
@@ -159,7 +159,7 @@ def _cross_entropy(model: MLP, params: Any, x: jax.Array, y: jax.Array,
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
 
 
-def make_train_step(model: MLP, tx: ls.LossScalingTransformation, *,
+def make_train_step(model: MLP, tx: optax.GradientTransformationExtraArgs, *,
                     autocast: bool = False) -> Callable[..., Any]:
     """The jit-compiled step ``(params, opt_state, x, y) -> (params, opt_state, StepStats)``:
     ``ls.value_and_grad`` differentiates the scaled loss, ``ls.apply_gradients`` unscales,

@@ -8,15 +8,9 @@ import optax
 
 from loss_scaling import _registry
 from loss_scaling._errors import NoLossScaleFound
-from loss_scaling.core.scalers import SCALER_TYPES, DynamicLossScale, LossScale
+from loss_scaling.core.scalers import SCALER_TYPES, LossScale
 from loss_scaling.wrapper import placement
-from loss_scaling.wrapper.state import LossScalingState
-
-_NO_CONFIG = (
-    "This nnx.State holds the loss scale's values but not its configuration: a plain flax "
-    "nnx.Optimizer does not keep it in its state (build the optimizer with "
-    "`loss_scaling.nnx.Optimizer`, which does).")
-
+from loss_scaling.wrapper.state import LossScalingState, scaler_alone
 
 NOT_A_STATE = {
     "transformation": (
@@ -32,13 +26,12 @@ NOT_A_STATE = {
 
 def _not_a_state(x: Any) -> str | None:
     """The message for a transformation or a model passed where a state was wanted, else
-    None. Frameworks are recognised by their classes' modules: none is imported here."""
+    None. A framework's model is its integration's to recognise (``Hooks.is_model``)."""
     if isinstance(x, optax.GradientTransformation):
         return NOT_A_STATE["transformation"].format(what=f"an optax {type(x).__name__}")
-    for cls in type(x).__mro__:
-        if cls.__name__ == "Module" and cls.__module__.split(".")[0] in ("flax", "equinox"):
-            return NOT_A_STATE["model"].format(
-                what=f"an instance of {type(x).__module__}.{type(x).__qualname__}")
+    if _registry.first_answer(lambda h: h.is_model and h.is_model(x) or None):
+        return NOT_A_STATE["model"].format(
+            what=f"an instance of {type(x).__module__}.{type(x).__qualname__}")
     return None
 
 
@@ -83,7 +76,9 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
         it that only one of them contains (e.g. ``"['generator']"``).
 
     Returns:
-      The loss-scale state (its leaves as arrays).
+      The loss-scale state (its leaves as arrays: the optimizer state's own). A
+      ``DynamicLossScale`` comes with the wrapper's failure register as its ``failure``,
+      so that its state dict and :func:`check` say whether the run failed.
 
     Raises:
       ValueError: if there is no loss scale, or several and ``path`` does not pick one
@@ -99,13 +94,12 @@ def get_loss_scale(opt_state: Any, path: str | None = None) -> LossScale:
     """
     if isinstance(opt_state, SCALER_TYPES):  # already the loss scale (ls.check takes it too)
         return opt_state
-    scaler = _get_wrapper_state(opt_state, path).scaler
-    if isinstance(scaler, DynamicLossScale) and scaler.config is None:
-        raise ValueError(f"{_NO_CONFIG} Pass the optimizer itself instead.")
-    return scaler
+    return scaler_alone(wrapper_state(opt_state, path))
 
 
-def _get_wrapper_state(opt_state: Any, path: str | None) -> LossScalingState:
+def wrapper_state(opt_state: Any, path: str | None = None) -> LossScalingState:
+    """The one wrapper state in ``opt_state`` that ``path`` picks (as for
+    :func:`get_loss_scale`, whose errors it raises)."""
     if path is not None and not isinstance(path, str):
         raise TypeError(f"path must be a string (a key path, or a part of one, such as "
                         f"\"['generator']\") or None, got {path!r}.")

@@ -12,14 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from loss_scaling import _errors
+from loss_scaling.core import headroom
 from loss_scaling.core.scalers import (
     SCALER_TYPES,
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
+    with_failure,
 )
 from loss_scaling.core.update import scaler_failure_message
-from loss_scaling.lookup import _NO_CONFIG, _get_wrapper_state, refuse_misplaced_wrapper
+from loss_scaling.core.validation import normal_float32
+from loss_scaling.lookup import refuse_misplaced_wrapper, wrapper_state
 from loss_scaling.wrapper.state import (
     SUSPICIOUS_GROWTHS,
     UnderflowStats,
@@ -38,23 +41,14 @@ gradients of a float16 model stay below 65504, so its true gradients would all b
 1,300 steps at the defaults on a small quadratic)."""
 
 
-SUSPICIOUS_GRAD_MAX = 2.0**-48
-"""With ``growth="headroom"``, a scale past :data:`SUSPICIOUS_SCALE_LIMIT` is suspicious
-only while the largest gradient the rule recorded (unscaled) is at most this: the rule
-derives the scale from that measurement, and a wide ``headroom_dtype`` (bfloat16,
-float32) takes ordinary gradients far past ``2**64``. A forgotten scale shows as the
-recorded maxima falling with every growth (the gradients do not follow the scale)."""
-
-
 def scale_suspicious(clean_growths: Any, loss_scale: Any,
                      grad_max_window: Any = None) -> Any:
     """The mis-use detector (in-graph or on the host, elementwise): many growths in a row
     without an overflow, or any that took the scale past :data:`SUSPICIOUS_SCALE_LIMIT`
     (with ``growth="headroom"``, whose ``grad_max_window`` is given, only while it is at
-    most :data:`SUSPICIOUS_GRAD_MAX`)."""
+    most :data:`loss_scaling.core.headroom.SUSPICIOUS_GRAD_MAX`)."""
     large = (clean_growths > 0) & (loss_scale >= SUSPICIOUS_SCALE_LIMIT)
-    if grad_max_window is not None:
-        large = large & (grad_max_window <= SUSPICIOUS_GRAD_MAX)
+    large = headroom.large_scale_unexplained(large, grad_max_window)
     return (clean_growths >= SUSPICIOUS_GROWTHS) | large
 
 
@@ -103,7 +97,7 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
     if isinstance(opt_state, SCALER_TYPES):
         raise TypeError(METRICS_OF_A_SCALER.format(what=type(opt_state).__name__))
     refuse_misplaced_wrapper(opt_state)
-    state = _get_wrapper_state(opt_state, path)
+    state = wrapper_state(opt_state, path)
     scaler = state.scaler
     tracker = getattr(scaler, "growth_tracker", None)
     return {
@@ -120,52 +114,13 @@ def metrics(opt_state: Any, path: str | None = None) -> dict[str, jax.Array]:
         "clean_growths": state.clean_growths,
         "scale_suspicious": scale_suspicious(state.clean_growths,
                                              jnp.asarray(scaler.loss_scale),
-                                             _window_max(scaler)),
+                                             headroom.window_max(scaler)),
         "grad_norm": state.grad_norm,
         "replays": state.replays,
         "last_step_replays": state.last_step_replays,
-        **_headroom_metrics(scaler),
+        **headroom.metrics(scaler),
         **_underflow_metrics(state.underflow),
     }
-
-
-def _window_max(scaler: Any) -> jax.Array | None:
-    """``growth="headroom"`` only: the largest unscaled max |g| in the rule's window."""
-    history = getattr(scaler, "grad_max_history", None)
-    return None if history is None else jnp.max(history, axis=-1)
-
-
-def _headroom_metrics(scaler: Any) -> dict[str, jax.Array]:
-    """``growth="headroom"`` only: the recent maximum, the room it leaves, the ceiling."""
-    peak = _window_max(scaler)
-    if peak is None:
-        return {}
-    config = scaler.config
-    dtype = "float16" if config is None else config.headroom_dtype
-    limit = jnp.float32(jnp.finfo(jnp.dtype(dtype)).max)
-    return {
-        "grad_max_window": peak,
-        "headroom_log2": _log2_ratio(limit, scaler.loss_scale, peak),
-        "scale_ceiling": scaler.ceiling,
-    }
-
-
-def _log2_ratio(limit: jax.Array, scale: jax.Array, peak: jax.Array) -> jax.Array:
-    """``log2(limit / (scale * peak))``, never below an integer ``k`` where the ratio is at
-    least ``2**k`` (inf for ``peak`` 0).
-
-    A difference of three float32 logarithms reads 3.9999998 for a ratio of exactly 16
-    (the margin a headroom growth leaves). Here the exponents are split off exactly
-    (``frexp``) and only a mantissa ratio ``q`` in ``[1, 2)`` goes through ``log2``,
-    clamped at ``log2(1) = 0``: the integer part is exact, and the rounding of ``q``
-    (monotonic) cannot take the result below it.
-    """
-    (m_limit, e_limit), (m_scale, e_scale), (m_peak, e_peak) = (
-        jnp.frexp(x) for x in (limit, scale, peak))
-    m_q, e_q = jnp.frexp(m_limit / m_scale / jnp.where(peak > 0, m_peak, 1.0))
-    exponent = (e_limit - e_scale - e_peak + e_q - 1).astype(jnp.float32)
-    fraction = jnp.maximum(jnp.log2(2 * m_q), 0.0)
-    return jnp.where(peak > 0, exponent + fraction, jnp.inf)
 
 
 def _underflow_metrics(stats: UnderflowStats | None) -> dict[str, jax.Array]:
@@ -210,7 +165,7 @@ def nonfinite_grad_paths(opt_state: Any, params: Any, path: str | None = None) -
       >>> ls.nonfinite_grad_paths(opt_state, params)
       ['dec.w']
     """
-    flags = np.asarray(_get_wrapper_state(opt_state, path).nonfinite_grads)
+    flags = np.asarray(wrapper_state(opt_state, path).nonfinite_grads)
     names = key_path_names(differentiated(params))
     if flags.shape[-1:] != (len(names),):
         raise ValueError(
@@ -255,8 +210,7 @@ def _failure_code(failure: np.ndarray | None, scale: np.ndarray | None) -> np.nd
     code = np.zeros((), np.int32) if failure is None else np.asarray(failure, np.int32)
     if scale is None:
         return code
-    as_f32 = np.asarray(scale).astype(np.float32)
-    valid = np.isfinite(as_f32) & (as_f32 >= np.finfo(np.float32).tiny)
+    valid = normal_float32(scale)
     return np.where(code != _errors.Failure.NONE, code,
                     np.where(valid, _errors.Failure.NONE, _errors.Failure.INVALID_SCALE)
                     ).astype(np.int32)
@@ -324,12 +278,11 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
         failure, scale = _read_once((getattr(state, "failure", None), state.loss_scale))
         failure = _failure_code(failure, scale)
         if np.any(failure != _errors.Failure.NONE):
-            if isinstance(state, DynamicLossScale):  # the code found, also INVALID_SCALE
-                state = state._replace(failure=failure)
+            state = with_failure(state, failure)  # the code found, also INVALID_SCALE
             raise _errors.LossScaleError(scaler_failure_message(_first_failing(state, failure)))
         return
     refuse_misplaced_wrapper(state)
-    wrapper = _get_wrapper_state(state, path)
+    wrapper = wrapper_state(state, path)
     scaler = wrapper.scaler
     failure, growths, scale, history = _read_once((
         wrapper.failure, wrapper.clean_growths,
@@ -339,16 +292,8 @@ def check(state: Any, params: Any = None, path: str | None = None) -> None:
     if np.any(failure != _errors.Failure.NONE):
         names = None if params is None else key_path_names(differentiated(params))
         failed = _first_failing(wrapper._replace(failure=jnp.asarray(failure)), failure)
-        scaler = failed.scaler
-        if isinstance(scaler, DynamicLossScale) and scaler.config is None:
-            # A plain nnx.Optimizer's nnx.State: no config for the full message.
-            code = _errors.Failure(int(np.asarray(failed.failure)))
-            raise _errors.LossScaleError(
-                f"the run has failed ({code.name}, loss scale "
-                f"{float(np.asarray(scaler.loss_scale))!r}). {_NO_CONFIG} For the full "
-                "message, call check on the optimizer.")
         raise _errors.LossScaleError(wrapper_failure_message(failed, names))
-    window_max = None if history is None else np.max(history, axis=-1)
+    window_max = headroom.history_max(history)
     if scale is not None and np.any(scale_suspicious(growths, scale, window_max)):
         now = float(_host(jnp.asarray(wrapper.scaler.loss_scale)).reshape(-1)[0])
         warnings.warn(_errors.SUSPICIOUS_SCALE.format(growths=int(np.max(growths)),

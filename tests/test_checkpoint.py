@@ -571,9 +571,9 @@ def test_orbax_helpers_refuse_a_stored_scale_the_json_does_not_confirm(tmp_path)
     # Plain Orbax restores any stored scale unchecked, -32768 included.
     state = stepped(ls_state())
     bad = state.replace(opt_state=state.opt_state._replace(
-        scaler=jax.tree.map(lambda x: x, ls.get_loss_scale(state))))
-    poisoned = jax.tree.unflatten(jax.tree.structure(ls.get_loss_scale(bad)), [
-        jnp.float32(-32768.0), *jax.tree.leaves(ls.get_loss_scale(bad))[1:]])
+        scaler=jax.tree.map(lambda x: x, state.opt_state.scaler)))
+    poisoned = jax.tree.unflatten(jax.tree.structure(bad.opt_state.scaler), [
+        jnp.float32(-32768.0), *jax.tree.leaves(bad.opt_state.scaler)[1:]])
     bad = bad.replace(opt_state=bad.opt_state._replace(scaler=poisoned))
     with ocp.CheckpointManager(tmp_path / "plain") as mngr:
         mngr.save(1, args=ocp.args.StandardSave(bad))
@@ -960,7 +960,7 @@ def test_the_documented_list_of_configuration_checked_options_is_the_codes():
     import re
 
     from loss_scaling.checkpoint import state_dict as json_format
-    from loss_scaling.core import validation
+    from loss_scaling.core import fields
 
     page = (pathlib.Path(__file__).parent.parent / "docs" / "checkpoints.md").read_text()
     table = page.split("<!-- config-checked -->")[1].split("<!-- /config-checked -->")[0]
@@ -969,8 +969,8 @@ def test_the_documented_list_of_configuration_checked_options_is_the_codes():
                for name in re.findall(r"`(\w+)", option)}
     unchecked = {name for option, compared, _ in rows if compared.strip() == "no"
                  for name in re.findall(r"`(\w+)", option)}
-    config = {f.name for f in dataclasses.fields(validation.DynamicConfig)}
-    assert config == set(json_format._CONFIG_KEYS["dynamic"])   # the code's one list
+    config = {f.name for f in dataclasses.fields(fields.DynamicConfig)}
+    assert config == set(json_format.config_keys("dynamic", "headroom"))  # the one list
     assert checked == config | {"StaticLossScale"}
     wrapper_options = {name for name, p in inspect.signature(
         ls.with_loss_scaling).parameters.items() if p.kind is p.KEYWORD_ONLY}

@@ -96,6 +96,71 @@ def test_a_removed_field_that_disagrees_is_refused_by_name(own_api):
     assert "inconsistent" in message and "consecutive_skips == 0" in message
 
 
+def failed_run_bytes(scaler_failure):
+    """The issue42 fixture's bytes of whole optimizer states, the "failed" run's scaler
+    record (kind 2: with the copy of the wrapper's failure) rewritten to hold
+    ``scaler_failure`` (its wrapper's register says TOO_MANY_SKIPS)."""
+    from loss_scaling.checkpoint import record
+    from loss_scaling.core.scalers import dynamic_from_leaves
+
+    data = (FIXTURES / "issue42" / "optimizer_states.msgpack").read_bytes()
+    decoded = flax.serialization.msgpack_restore(data)
+    run = decoded["opt_state"]["failed"]
+    alone = ls.DynamicLossScale(init_scale=2.0**6, backoff_factor=0.5)
+    arrays = record.decode(alone, run["scaler"])
+    assert int(arrays["failure"]) == int(run["failure"]) == ls.Failure.TOO_MANY_SKIPS
+    arrays["failure"] = np.asarray(scaler_failure, np.int32)
+    run["scaler"] = record.encode(dynamic_from_leaves(alone.config, [
+        arrays[name] for name in alone.leaf_names]))
+    return flax.serialization.msgpack_serialize(decoded)
+
+
+def fixture_target():
+    """The target of the fixtures' optimizer_states (the "failed" run's own scaler)."""
+    params = {"a": jnp.zeros(2), "b": jnp.zeros((1, 1))}
+    targets = old_target()["opt_state"]
+    targets["failed"] = ls.with_loss_scaling(
+        optax.sgd(0.125, momentum=0.5), ls.DynamicLossScale(init_scale=2.0**6),
+        max_consecutive_skips=2).init(params)
+    return {"params": {run: params for run in targets}, "opt_state": targets}
+
+
+@pytest.mark.parametrize("own_api", [False, True])
+def test_a_scalers_failure_copy_is_checked_against_its_wrappers_register(own_api):
+    # Issue 41: the state's failure is the one register; a saved scaler's copy of it is
+    # read, held to it and dropped. Bytes whose copy disagrees are refused by name.
+    target = fixture_target()
+
+    def restore(data):
+        if own_api:
+            return ls.upgrade_restored(flax.serialization.from_bytes(
+                ls.target_as_saved(target, data), data), target)
+        return ls.from_bytes(target, data)
+
+    restored = restore(failed_run_bytes(ls.Failure.TOO_MANY_SKIPS))["opt_state"]["failed"]
+    assert restored.scaler.leaf_names == ("loss_scale", "growth_tracker", "nonfinite_tracker")
+    assert int(restored.failure) == ls.Failure.TOO_MANY_SKIPS
+    assert int(ls.get_loss_scale(restored).failure) == ls.Failure.TOO_MANY_SKIPS
+    with pytest.raises(ValueError) as error:
+        restore(failed_run_bytes(ls.Failure.NONE))
+    message = str(error.value)
+    assert "'./opt_state/failed/scaler'" in message and "failure=0" in message, message
+    assert "inconsistent" in message and "the one register" in message
+
+
+def test_plain_flax_names_the_route_for_a_record_with_the_failure_copy():
+    data = (FIXTURES / "issue42" / "optimizer_states.msgpack").read_bytes()
+    with pytest.raises(ValueError, match=r"a checkpoint of an earlier version: restore it "
+                                         r"with `loss_scaling.from_bytes`"):
+        flax.serialization.from_bytes(fixture_target(), data)
+    fields = {"interval": ("loss_scale", "growth_tracker", "nonfinite_tracker"),
+              "headroom": ("loss_scale", "growth_tracker", "nonfinite_tracker",
+                           "grad_max_history", "headroom_tracker", "ceiling")}
+    restored = ls.from_bytes(fixture_target(), data)["opt_state"]
+    for run, names in fields.items():
+        assert restored[run].scaler.leaf_names == names
+
+
 def test_a_field_no_version_wrote_is_refused_as_a_newer_versions():
     data = old_bytes(lambda run: run.update(brand_new=np.asarray(1)))
     with pytest.raises(ValueError, match=r"state \(LossScalingState\) at './opt_state/"
@@ -165,17 +230,18 @@ def test_orbax_metadata_without_a_handler_is_named():
 SCALER_ADDED = FieldAdded("DynamicLossScale", "nonfinite_tracker", like="growth_tracker",
                           value=0, dtype="int32", since="this test", why="a stand-in")
 SCALER_REMOVED = FieldRemoved(
-    "DynamicLossScale", "failure_mirror", like="failure", dtype="int32",
-    derived=lambda fields: fields["failure"], since="this test",
-    why="a copy of `failure`")
+    "DynamicLossScale", "growth_mirror", like="growth_tracker", dtype="int32",
+    derived=lambda fields: fields["growth_tracker"], since="this test",
+    why="a copy of `growth_tracker`")
 
 
 def test_a_scaler_leaf_added_and_one_removed_through_orbax(tmp_path):
     state = make_state(hysteresis=3)  # a nonfinite_tracker of 1: saved without it
     scaler = ls.get_loss_scale(state["opt_state"])
     assert int(scaler.nonfinite_tracker) == 1
+    # ...and with the failure copy of the wrapper's register that issue 41 removed
     old_scaler = {"loss_scale": scaler.loss_scale, "growth_tracker": scaler.growth_tracker,
-                  "failure": scaler.failure, "failure_mirror": scaler.failure}
+                  "failure": scaler.failure, "growth_mirror": scaler.growth_tracker}
     old = {**state, "opt_state": state["opt_state"]._replace(scaler=old_scaler)}
     changes = (*FIELD_CHANGES, SCALER_ADDED, SCALER_REMOVED)
     with ocp.CheckpointManager(tmp_path, item_handlers=ocp.StandardCheckpointHandler()) as mngr:
@@ -193,9 +259,9 @@ def test_a_scaler_leaf_added_and_one_removed_through_orbax(tmp_path):
 
 
 def test_every_declared_change_matches_todays_fields():
-    fields = {"LossScalingState": set(ls.LossScalingState._fields),
-              "DynamicLossScale": set(upgrade.leaf_names(ls.DynamicLossScale()))}
     fresh = ls.with_loss_scaling(optax.sgd(1.0)).init(jnp.zeros(2))
+    fields = {"LossScalingState": set(ls.LossScalingState._fields),  # and the scaler it holds
+              "DynamicLossScale": set(upgrade.leaf_names(fresh.scaler))}
     ahead = []
     for change in FIELD_CHANGES:
         assert change.like in fields[change.node], change

@@ -3,6 +3,8 @@ names the new one (loss_scaling/_deprecation.py)."""
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -40,6 +42,11 @@ def test_every_rename_names_an_existing_new_name_and_no_longer_the_old_one():
     owners = {"LossScalingState": ls.LossScalingState, "loss_scaling": ls}
     for renamed in RENAMES:
         owner = owners[renamed.owner]
+        if "." in renamed.new:  # outside the package
+            module, name = renamed.new.rsplit(".", 1)
+            assert hasattr(importlib.import_module(module), name), renamed
+            assert renamed.old not in ls.__all__ and renamed.old not in vars(ls), renamed
+            continue
         assert hasattr(owner, renamed.new), renamed
         if renamed.owner == "LossScalingState":  # a property, not a field: not saved
             assert renamed.old not in ls.LossScalingState._fields
@@ -58,3 +65,21 @@ def test_a_renamed_package_name_answers_through_the_package(monkeypatch):
         assert ls.old_save_args is ls.orbax_save_args
     with pytest.raises(AttributeError, match="no attribute 'never_existed'"):
         ls.never_existed  # noqa: B018
+
+
+@pytest.mark.parametrize("maybe_jit", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_loss_scaling_transformation_warns_and_is_optax_own_class(maybe_jit):
+    # Issue 41: with_loss_scaling returns optax's GradientTransformationExtraArgs (its
+    # options live on tx.update only); the old class name answers, with a warning.
+    with pytest.warns(DeprecationWarning, match=r"loss_scaling.LossScalingTransformation is "
+                      r"deprecated \(renamed in issue 41\): use "
+                      r"optax.GradientTransformationExtraArgs") as record:
+        cls = ls.LossScalingTransformation
+    assert record[0].filename == __file__
+    assert cls is optax.GradientTransformationExtraArgs
+    tx = ls.with_loss_scaling(optax.sgd(1.0), ls.StaticLossScale(2.0))
+    assert type(tx) is cls and not hasattr(tx, "options")
+    params = jnp.ones(2)
+    step = maybe_jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
+    new_params, _ = step(jnp.full(2, 2.0), tx.init(params), params)  # still the fused step
+    assert new_params.tolist() == [0.0, 0.0]

@@ -557,7 +557,11 @@ def test_restore_into_another_growth_rule_is_refused():
     (("values", "ceiling"), 0.0, "values.ceiling must be a finite, positive"),
     (("values", "headroom_tracker"), 4, r"headroom_tracker must be an integer in \[0, 2 \*"),
     (("config", "headroom_dtype"), 16, "headroom_dtype must be a dtype name"),
-    (("config", "growth"), "interval", "apply only to growth='headroom'"),
+    # An interval dict has exactly the keys it had before headroom growth (issue 41:
+    # the headroom keys beside growth='interval' were a shape nobody wrote).
+    (("config", "growth"), "interval",
+     r"unexpected key\(s\) config.growth, config.headroom_margin, config.headroom_window, "
+     r"config.headroom_dtype"),
 ])
 def test_invalid_headroom_state_dicts_are_refused(path, value, match):
     d = ls.state_dict(ls.DynamicLossScale(growth="headroom", headroom_window=2))

@@ -508,3 +508,50 @@ def test_wrapper_outside_multisteps_drops_only_the_bad_micro_step(maybe_jit, pat
             assert_bit_identical(params_bits, params)
     assert len(good_seen) == 2 * K
     assert int(ls.metrics(opt_state)["skipped_steps"]) == 1
+
+
+# ------------------------------- a framework, reached only through its registered hooks
+
+
+class ToyLayer:
+    """A model of a framework the library knows nothing of but its registered hooks."""
+
+    def __init__(self, w, **children):
+        self.w, self.children = w, children
+
+    def __call__(self, x):
+        for child in self.children.values():
+            x = child(x)
+        return x if self.w is None else x @ self.w
+
+
+def toy_modules(root, prefix=()):
+    if not isinstance(root, ToyLayer):
+        return
+    if not prefix:
+        yield (), root
+    for name, child in root.children.items():
+        yield (*prefix, name), child
+        yield from toy_modules(child, (*prefix, name))
+
+
+def test_a_framework_is_reached_only_through_its_registered_hooks(monkeypatch):
+    # Issue 41, item 5: lookup names a model, and the debugging tools name its layers,
+    # from the hooks a framework's integration registers (nothing framework-specific in
+    # lookup.py or debug/).
+    import sys
+    import types
+
+    from loss_scaling import _registry
+
+    monkeypatch.setitem(sys.modules, "toyframework", types.ModuleType("toyframework"))
+    _registry.register("toyframework", _registry.Hooks(  # inert once the module is gone
+        is_model=lambda x: isinstance(x, ToyLayer), modules=toy_modules))
+    big = jnp.full((4, 4), 3e4, jnp.float16)
+    model = ToyLayer(None, first=ToyLayer(jnp.eye(4, dtype=jnp.float16)), second=ToyLayer(big))
+    with pytest.raises(ValueError, match=r"this is a model \(an instance of "
+                                         r"test_integrations.ToyLayer\), not an optimizer"):
+        ls.get_loss_scale(model)
+    report = ls.find_overflow(lambda m, x: jnp.sum(m(x).astype(jnp.float32)), model,
+                              jnp.ones((1, 4), jnp.float16))
+    assert report.found and report.phase == "forward" and report.layer == "second", report

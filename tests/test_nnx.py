@@ -487,13 +487,20 @@ def test_get_loss_scale_and_metrics_accept_the_optimizer_its_state_and_split(hol
     assert ls.state_dict(s) == ls.state_dict(expected)
 
 
-def test_a_plain_nnx_optimizers_state_gives_metrics_but_not_a_config():
+def test_a_plain_nnx_optimizers_state_is_refused_naming_the_fix():
+    # Issue 41: no config-less scaler is built from it (metrics and check refused it too
+    # only halfway); the optimizer itself, or ls.nnx.Optimizer's state, has the config.
     optimizer = make_optimizer(make_model(), fused=False)
     state = nnx.state(optimizer)
-    assert float(ls.metrics(state)["loss_scale"]) == INIT_SCALE
-    with pytest.raises(ValueError, match="loss_scaling.nnx.Optimizer"):
-        ls.get_loss_scale(state)
+    for read in (ls.get_loss_scale, ls.metrics, ls.check):
+        with pytest.raises(ValueError, match="loss_scaling.nnx.Optimizer.*Pass the optimizer "
+                                             "itself instead"):
+            read(state)
     assert ls.get_loss_scale(optimizer).growth_interval == GROWTH_INTERVAL
+    assert float(ls.metrics(optimizer)["loss_scale"]) == INIT_SCALE
+    assert ls.check(optimizer) is None
+    fused = nnx.state(make_optimizer(make_model(), fused=True))
+    assert ls.get_loss_scale(fused).growth_interval == GROWTH_INTERVAL
 
 
 @pytest.mark.parametrize("holder", ["optimizer", "state", "split"])
@@ -568,7 +575,9 @@ def test_check_reads_a_failure_from_the_optimizer_its_state_and_split(fused):
     model = make_model()
     tx = ls.with_loss_scaling(optax.adam(LR), ls.DynamicLossScale(init_scale=2.0**-126))
     optimizer = make_optimizer(model, fused, tx=tx)
-    for source in lookup_holders(optimizer, model).values():
+    # A plain nnx.Optimizer's state holds no configuration: only the optimizer itself.
+    sources = lookup_holders(optimizer, model) if fused else {"optimizer": optimizer}
+    for source in sources.values():
         assert ls.check(source) is None
     step = nnx.jit(lambda optimizer, model, x, y, poison: optimizer.update(
         model, ls.value_and_grad(loss_fn)(optimizer, model, x, y, poison)[1]))
@@ -577,7 +586,7 @@ def test_check_reads_a_failure_from_the_optimizer_its_state_and_split(fused):
     step(optimizer, model, x, y, jnp.ones((), F32))   # overflow: the backoff underflows
     step(optimizer, model, x, y, jnp.zeros((), F32))  # sticky: this clean step is skipped
     assert_bit_identical(params, nnx.state(model, nnx.Param))
-    for source in lookup_holders(optimizer, model).values():
+    for source in sources.values():
         assert bool(ls.metrics(source)["failed"])
         with pytest.raises(ls.LossScaleError, match="(?i)backoff"):
             ls.check(source)

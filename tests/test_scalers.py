@@ -868,14 +868,19 @@ def test_one_above_the_counter_range_is_refused_naming_argument_value_and_range(
         ls.from_state_dict(d)
 
 
-def test_a_pickle_of_a_three_leaf_dynamic_state_is_refused_not_completed():
-    """The pre-release 3-leaf form (before ``failure``) is gone: 0.1.0 always had 4."""
+def test_a_pickle_restores_either_form_and_refuses_a_partial_state():
+    """Four leaves: a scaler on its own; three: one a wrapper holds, without ``failure``
+    (issue 41: the wrapper's register is the one). Anything else is refused, not
+    completed."""
     import pickle
 
     s = ls.DynamicLossScale(init_scale=8.0)
     reduce_fn, (cls, aux, children) = s.__reduce__()
     assert_restored = reduce_fn(cls, aux, children)
-    assert float(assert_restored.loss_scale) == 8.0
+    assert float(assert_restored.loss_scale) == 8.0 and int(assert_restored.failure) == 0
+    held = ls.with_loss_scaling(optax.sgd(1.0), s).init(jnp.zeros(2)).scaler
+    assert held.leaf_names == ("loss_scale", "growth_tracker", "nonfinite_tracker")
+    assert pickle.loads(pickle.dumps(held)).leaf_names == held.leaf_names
     with pytest.raises(ValueError):
-        reduce_fn(cls, aux, children[:3])
+        reduce_fn(cls, aux, children[:2])
     assert float(pickle.loads(pickle.dumps(s)).loss_scale) == 8.0

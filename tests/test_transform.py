@@ -22,6 +22,7 @@ import pytest
 from bitwise import assert_bit_identical, assert_trees_close_in_ulps, bits
 
 import loss_scaling as ls
+from loss_scaling.wrapper.state import options_of
 
 NAN, INF = float("nan"), float("inf")
 
@@ -276,7 +277,11 @@ def test_a_donated_jit_run_fails_closed_as_state_and_loses_nothing(path, skip):
     # Readable and checkpointable: the arrays were never deleted.
     host_params, host_state = jax.device_get((params, opt_state))
     assert_bit_identical(params_bits, host_params)
-    d = ls.state_dict(host_state.scaler)
+    # One register (issue 41): the state's scaler holds no failure; the scaler that
+    # get_loss_scale returns carries the state's, so its state dict says failed.
+    assert host_state.scaler.failure is None
+    assert "failure" not in ls.state_dict(host_state.scaler)["values"]
+    d = ls.state_dict(ls.get_loss_scale(host_state))
     assert d["values"]["failure"] == ls.Failure.BACKOFF_UNDERFLOW
     assert int(ls.from_state_dict(d).failure) == ls.Failure.BACKOFF_UNDERFLOW
 
@@ -507,8 +512,8 @@ def test_init_hands_out_fresh_buffers_that_survive_donation(scaler, path):
     tx = ls.with_loss_scaling(optax.adam(0.1), scaler)
     params = jnp.array([1.0, 2.0])
     opt_state = tx.init(params)
-    for mine, theirs in zip(jax.tree.leaves(opt_state.scaler), jax.tree.leaves(scaler),
-                            strict=True):
+    for mine, theirs in zip(jax.tree.leaves(ls.get_loss_scale(opt_state)),
+                            jax.tree.leaves(scaler), strict=True):
         assert mine is not theirs
     step = jax.jit(STEPS[path](tx), donate_argnums=(1, 2))
     params, opt_state = step(jnp.array([NAN, 1.0]), opt_state, params)
@@ -715,8 +720,9 @@ def test_default_scaler_and_auto_skip():
     opt_state = tx.init(jnp.zeros(2))
     assert isinstance(opt_state.scaler, ls.DynamicLossScale)
     assert float(opt_state.scaler.loss_scale) == 2.0**15
-    assert isinstance(tx, optax.GradientTransformationExtraArgs)
-    assert tx.options.skip == "auto" and tx.options.on_failure == "record"
+    assert type(tx) is optax.GradientTransformationExtraArgs  # optax's own (issue 41)
+    options = options_of(tx.update)  # where the fused path finds them
+    assert options.skip == "auto" and options.on_failure == "record"
 
 
 def test_apply_gradients_falls_back_for_other_transformations():
@@ -850,3 +856,29 @@ def test_too_many_skips_is_one_register_the_scaler_and_its_state_dict_carry_it(m
     fused = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
     new_params, _ = fused(jnp.ones(2), fresh, params)
     chex.assert_trees_all_equal(new_params, params)   # and skips every step
+
+
+@PATHS
+def test_one_failure_register(path):
+    # Issue 41: a dynamic scaler held by the wrapper has no failure leaf of its own (it
+    # was a copy of the state's, written every step); get_loss_scale gives it the state's.
+    tx = ls.with_loss_scaling(optax.sgd(1.0), ls.DynamicLossScale(init_scale=8.0),
+                              max_consecutive_skips=2)
+    params = jnp.ones(2)
+    opt_state = tx.init(params)
+    step = jax.jit(STEPS[path](tx))
+    for _ in range(3):
+        params, opt_state = step(jnp.array([INF, 1.0]), opt_state, params)
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        opt_state)[0] if jax.tree_util.keystr(p).endswith("failure")]
+    assert names == [".failure"]
+    assert int(opt_state.failure) == ls.Failure.TOO_MANY_SKIPS
+    scaler = ls.get_loss_scale(opt_state)
+    assert int(scaler.failure) == ls.Failure.TOO_MANY_SKIPS and scaler.failure is opt_state.failure
+    assert ls.state_dict(scaler)["values"]["failure"] == ls.Failure.TOO_MANY_SKIPS
+    with pytest.raises(ls.LossScaleError, match="consecutive optimizer steps skipped"):
+        ls.check(scaler)
+    # A scaler taken from the state's field and stepped on its own gets its own register.
+    alone = ls.update(opt_state.scaler, jnp.asarray(True))
+    assert alone.leaf_names[:4] == ("loss_scale", "growth_tracker", "nonfinite_tracker",
+                                    "failure") and int(alone.failure) == 0

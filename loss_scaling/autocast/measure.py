@@ -32,7 +32,7 @@ def measure(ctx: Context, closed: core.ClosedJaxpr, args: Sequence[Any]) -> dict
 
 
 def _operands(scope: Scope, eqn: Any) -> list[Any]:
-    return [rewrite._value(scope.read(a)) for a in eqn.invars]
+    return [rewrite.literal_value(scope.read(a)) for a in eqn.invars]
 
 
 def _inner(closed_or_open: Any) -> tuple[Any, Sequence[Any]]:
@@ -44,7 +44,7 @@ def _inner(closed_or_open: Any) -> tuple[Any, Sequence[Any]]:
 def _call(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
     name = eqn.primitive.name
     if name == "shard_map":
-        return rewrite._call(scope, eqn, place)
+        return rewrite.rewrite_call(scope, eqn, place)
     if name == "cond":
         return _cond(scope, eqn, place), ""
     jaxpr, consts = _inner(eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")))
@@ -65,7 +65,7 @@ def _cond(scope: Scope, eqn: Any, place: Place) -> list[Any]:
               for column in zip(*outs, strict=True)]
     taken = branches[int(jnp.clip(index, 0, len(branches) - 1))]
     values = interpret(Scope(scope.ctx, place), taken.jaxpr, taken.consts, operands)
-    return [rewrite._convert(v, d) for v, d in zip(values, target, strict=True)]
+    return [rewrite.convert(v, d) for v, d in zip(values, target, strict=True)]
 
 
 def _loop(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
@@ -76,11 +76,11 @@ def _scan(scope: Scope, eqn: Any, place: Place) -> list[Any]:
     p = eqn.params
     n_consts, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
     if length == 0:
-        return rewrite._scan(scope, eqn, place)
+        return rewrite.rewrite_scan(scope, eqn, place)
     operands = _operands(scope, eqn)
     consts, xs = operands[:n_consts], operands[n_consts + n_carry:]
     pinned = [a.aval.dtype for a in eqn.invars[n_consts:n_consts + n_carry]]
-    carry = [rewrite._convert(v, d)
+    carry = [rewrite.convert(v, d)
              for v, d in zip(operands[n_consts:n_consts + n_carry], pinned, strict=True)]
     body = p["jaxpr"]
     ys: list[list[Any]] = []
@@ -88,7 +88,7 @@ def _scan(scope: Scope, eqn: Any, place: Place) -> list[Any]:
     for i in range(length - 1, -1, -1) if p["reverse"] else range(length):
         outs = interpret(Scope(scope.ctx, inner), body.jaxpr,
                          body.consts, [*consts, *carry, *(x[i] for x in xs)])
-        carry = [rewrite._convert(v, d) for v, d in zip(outs[:n_carry], pinned, strict=True)]
+        carry = [rewrite.convert(v, d) for v, d in zip(outs[:n_carry], pinned, strict=True)]
         ys.append(outs[n_carry:])
     if p["reverse"]:
         ys.reverse()
@@ -100,7 +100,7 @@ def _while(scope: Scope, eqn: Any, place: Place) -> list[Any]:
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     operands = _operands(scope, eqn)
     pinned = [a.aval.dtype for a in eqn.invars[nc + nb:]]
-    carry = [rewrite._convert(v, d) for v, d in zip(operands[nc + nb:], pinned, strict=True)]
+    carry = [rewrite.convert(v, d) for v, d in zip(operands[nc + nb:], pinned, strict=True)]
     cond, body = p["cond_jaxpr"], p["body_jaxpr"]
     while True:
         (go,) = interpret(Scope(scope.ctx, place), cond.jaxpr, cond.consts,
@@ -109,7 +109,7 @@ def _while(scope: Scope, eqn: Any, place: Place) -> list[Any]:
             return carry
         outs = interpret(Scope(scope.ctx, place), body.jaxpr, body.consts,
                          [*operands[nc:nc + nb], *carry])
-        carry = [rewrite._convert(v, d) for v, d in zip(outs, pinned, strict=True)]
+        carry = [rewrite.convert(v, d) for v, d in zip(outs, pinned, strict=True)]
 
 
 def _custom(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
@@ -119,12 +119,12 @@ def _custom(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
         rewrite.custom_params(dataclasses.replace(scope.ctx, rows=None, eager=None), eqn,
                               place, record=False)
     except (KeyError, TypeError, AttributeError) as error:
-        return rewrite._as_written(scope, eqn, place)[0], rewrite.kept_as_written(error)
-    operands = [rewrite._as_original(scope, a) for a in eqn.invars]
+        return rewrite.as_written(scope, eqn, place)[0], rewrite.kept_as_written(error)
+    operands = [rewrite.as_original(scope, a) for a in eqn.invars]
     closed = eqn.params["call_jaxpr"]
     outs = interpret(Scope(scope.ctx, place), closed.jaxpr, closed.consts,
                      operands)
-    return [rewrite._convert(o, v.aval.dtype) for o, v in zip(outs, eqn.outvars,
+    return [rewrite.convert(o, v.aval.dtype) for o, v in zip(outs, eqn.outvars,
                                                                strict=True)], ""
 
 

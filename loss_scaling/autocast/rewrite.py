@@ -27,6 +27,7 @@ from jax._src import linear_util as lu
 from jax._src.interpreters import ad
 from jax._src.interpreters import partial_eval as pe
 
+from loss_scaling import _registry
 from loss_scaling.autocast.rules import Rule, rule_of
 
 FLOAT32 = np.dtype(np.float32)
@@ -198,7 +199,7 @@ def rewrite_closed(ctx: Context, closed: core.ClosedJaxpr, in_avals: Sequence[An
         scope.twins = {closed.jaxpr.invars[i]: c for i, c in zip(twin_of, copies, strict=True)}
         outs = interpret(scope, closed.jaxpr, closed.consts, args)
         if pin_out is not None:
-            outs = [o if d is None else _convert(o, d) for o, d in zip(outs, pin_out, strict=True)]
+            outs = [o if d is None else convert(o, d) for o, d in zip(outs, pin_out, strict=True)]
         return outs
 
     debug = api_util.debug_info(name, run, (*in_avals, *twin_avals), {})
@@ -253,7 +254,7 @@ def interpret(scope: Scope, jaxpr: core.Jaxpr, consts: Sequence[Any],
                 scope.producers[var] = eqn
         if scope.ctx.rows is not None and (rule not in _STRUCTURAL or note):
             _record(scope, eqn, rule, place, outs, note)
-    return [_value(scope.read(v)) for v in jaxpr.outvars]
+    return [literal_value(scope.read(v)) for v in jaxpr.outvars]
 
 
 def _record(scope: Scope, eqn: Any, rule: Rule, place: Place, outs: Sequence[Any],
@@ -314,13 +315,13 @@ def _bind_params(eqn: Any, operands: Sequence[Any], params: dict[str, Any]) -> l
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _as_written(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
-    return _bind(scope, eqn, [_as_original(scope, a) for a in eqn.invars]), ""
+def as_written(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
+    return _bind(scope, eqn, [as_original(scope, a) for a in eqn.invars]), ""
 
 
 def _operands(scope: Scope, eqn: Any, dtype: Any) -> list[Any]:
     """The operands with every floating one in ``dtype``."""
-    return [scope.cast(a, dtype) if is_float(a.aval.dtype) else _value(scope.read(a))
+    return [scope.cast(a, dtype) if is_float(a.aval.dtype) else literal_value(scope.read(a))
             for a in eqn.invars]
 
 
@@ -355,7 +356,7 @@ def _widest(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
         elif target is None or dtype_of(value) == FLOAT32:
             target = dtype_of(value)
     if target is None:  # no variable: a constant of the program, as written
-        return _as_written(scope, eqn, place)
+        return as_written(scope, eqn, place)
     if not literal_fits:
         target = FLOAT32
     elif target == FLOAT32 and (bias := _bias_of(scope, eqn)) is not None:
@@ -390,7 +391,7 @@ def _bias_of(scope: Scope, eqn: Any) -> int | None:
 def _with_half_bias(scope: Scope, eqn: Any, index: int) -> list[Any]:
     """The operands of a matmul's bias add, both half; the bias broadcast first, so that
     the transpose sums its gradient over the batch in float32, then cast."""
-    operands = [_value(scope.read(a)) for a in eqn.invars]
+    operands = [literal_value(scope.read(a)) for a in eqn.invars]
     bias, shape = eqn.invars[index], eqn.outvars[0].aval.shape
     if bias.aval.shape == shape:
         operands[index] = scope.cast(bias, scope.ctx.half)
@@ -401,10 +402,10 @@ def _with_half_bias(scope: Scope, eqn: Any, index: int) -> list[Any]:
 
 
 def _each(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
-    return _bind(scope, eqn, [_value(scope.read(a)) for a in eqn.invars]), ""
+    return _bind(scope, eqn, [literal_value(scope.read(a)) for a in eqn.invars]), ""
 
 
-def _convert(value: Any, dtype: Any) -> Any:
+def convert(value: Any, dtype: Any) -> Any:
     """``value`` in ``dtype`` (a floating value; others are returned as they are)."""
     if dtype is None or not is_float(dtype) or dtype_of(value) == np.dtype(dtype):
         return value
@@ -412,10 +413,10 @@ def _convert(value: Any, dtype: Any) -> Any:
 
 
 def _user_convert(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
-    return _bind(scope, eqn, [_value(scope.read(eqn.invars[0]))]), ""
+    return _bind(scope, eqn, [literal_value(scope.read(eqn.invars[0]))]), ""
 
 
-def _call(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
+def rewrite_call(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
     """``jit``, ``checkpoint``, ``closed_call``, ``shard_map``, ``cond``."""
     name = eqn.primitive.name
     if name == "cond":
@@ -425,7 +426,7 @@ def _call(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
     key = "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
     inner = eqn.params[key]
     closed = inner if isinstance(inner, core.ClosedJaxpr) else core.ClosedJaxpr(inner, ())
-    operands = [_value(scope.read(a)) for a in eqn.invars]
+    operands = [literal_value(scope.read(a)) for a in eqn.invars]
     offer = [] if name in ("jit", "pjit") else _passes_twins(scope, eqn.invars)
     if name in ("jit", "pjit") and is_library(closed.jaxpr.debug_info):
         place = dataclasses.replace(place, holds_library=True)
@@ -442,7 +443,7 @@ def _call(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
 
 
 def _cond(scope: Scope, eqn: Any, place: Place) -> list[Any]:
-    index, *operands = [_value(scope.read(a)) for a in eqn.invars]
+    index, *operands = [literal_value(scope.read(a)) for a in eqn.invars]
     atoms = eqn.invars[1:]
     offer = _passes_twins(scope, atoms)
     avals = [_aval(o) for o in operands]
@@ -485,7 +486,7 @@ def _shard_map(scope: Scope, eqn: Any, place: Place) -> list[Any]:
     def rewritten(*args: Any) -> Any:
         return _flat_tree(interpret(Scope(ctx, place), jaxpr, (), args), eqn)
 
-    out = eqn.primitive.bind(*[_value(scope.read(a)) for a in eqn.invars],
+    out = eqn.primitive.bind(*[literal_value(scope.read(a)) for a in eqn.invars],
                              subfuns=(rewritten,), **params)
     return list(out)
 
@@ -497,17 +498,17 @@ def _flat_tree(outs: list[Any], eqn: Any) -> Any:
 
 
 def _loop(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
-    return (_scan if eqn.primitive.name == "scan" else _while)(scope, eqn, place), ""
+    return (rewrite_scan if eqn.primitive.name == "scan" else _while)(scope, eqn, place), ""
 
 
-def _scan(scope: Scope, eqn: Any, place: Place) -> list[Any]:
+def rewrite_scan(scope: Scope, eqn: Any, place: Place) -> list[Any]:
     p = eqn.params
     n_consts, n_carry = p["num_consts"], p["num_carry"]
     atoms = eqn.invars
-    operands = [_value(scope.read(a)) for a in atoms]
+    operands = [literal_value(scope.read(a)) for a in atoms]
     body = p["jaxpr"]
     for i in range(n_consts, n_consts + n_carry):  # the carry keeps its dtype
-        operands[i] = _as_original(scope, atoms[i])
+        operands[i] = as_original(scope, atoms[i])
     avals = [v.aval.update(dtype=dtype_of(o)) for v, o in zip(body.jaxpr.invars, operands,
                                                               strict=True)]
     offer = [*_offers(scope, atoms[:n_consts]), *[False] * (len(atoms) - n_consts)]
@@ -529,9 +530,9 @@ def _while(scope: Scope, eqn: Any, place: Place) -> list[Any]:
     p = eqn.params
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     atoms = eqn.invars
-    operands = [_value(scope.read(a)) for a in atoms]
+    operands = [literal_value(scope.read(a)) for a in atoms]
     for i in range(nc + nb, len(atoms)):
-        operands[i] = _as_original(scope, atoms[i])
+        operands[i] = as_original(scope, atoms[i])
     carry_avals = [_aval(o) for o in operands[nc + nb:]]
 
     def part(closed: Any, consts: slice, pin: Any) -> tuple[Any, list[Any]]:
@@ -573,9 +574,9 @@ def _custom(scope: Scope, eqn: Any, place: Place) -> tuple[list[Any], str]:
         if rows_before is not None and scope.ctx.rows is not None:
             scope.ctx.rows.clear()
             scope.ctx.rows.update(rows_before)
-        return _as_written(scope, eqn, place)[0], kept_as_written(error)
-    outs = _bind_params(eqn, [_as_original(scope, a) for a in eqn.invars], params)
-    return [_convert(o, v.aval.dtype) for o, v in zip(outs, eqn.outvars, strict=True)], ""
+        return as_written(scope, eqn, place)[0], kept_as_written(error)
+    outs = _bind_params(eqn, [as_original(scope, a) for a in eqn.invars], params)
+    return [convert(o, v.aval.dtype) for o, v in zip(outs, eqn.outvars, strict=True)], ""
 
 
 def kept_as_written(error: BaseException) -> str:
@@ -652,10 +653,10 @@ _APPLY: dict[Rule, Apply] = {
     Rule.FLOAT32: _float32,
     Rule.WIDEST: _widest,
     Rule.EACH: _each,
-    Rule.AS_WRITTEN: _as_written,
-    Rule.UNKNOWN: _as_written,
+    Rule.AS_WRITTEN: as_written,
+    Rule.UNKNOWN: as_written,
     Rule.CONVERT: _user_convert,
-    Rule.CALL: _call,
+    Rule.CALL: rewrite_call,
     Rule.LOOP: _loop,
     Rule.CUSTOM: _custom,
 }
@@ -703,7 +704,7 @@ def _twin_aval(aval: Any, half: Any) -> Any:
     return aval.update(dtype=half, weak_type=False)
 
 
-def _as_original(scope: Scope, atom: Any) -> Any:
+def as_original(scope: Scope, atom: Any) -> Any:
     if isinstance(atom, core.Literal):
         return atom.val
     return scope.cast(atom, atom.aval.dtype) if is_float(atom.aval.dtype) else scope.read(atom)
@@ -713,7 +714,7 @@ def _is_float_atom(atom: Any) -> bool:
     return hasattr(atom.aval, "dtype") and is_float(atom.aval.dtype)
 
 
-def _value(value: Any) -> Any:
+def literal_value(value: Any) -> Any:
     return value.val if isinstance(value, Literal) else value
 
 
@@ -741,7 +742,7 @@ def is_library(debug_info: Any) -> bool:
     """Whether a sub-program's function is a library's (JAX, flax, Equinox, optax)."""
     info = getattr(debug_info, "func_src_info", None) or ""
     _, _, where = info.partition(" at ")
-    return bool(where) and where.startswith(_framework_dirs(with_jax=True))
+    return bool(where) and where.startswith(_registry.library_dirs(with_jax=True))
 
 
 def _eligible(eqn: Any) -> bool:
@@ -805,27 +806,12 @@ def source_of(eqn: Any) -> str | None:
     return None if frame is None else f"{frame.file_name}:{frame.start_line}"
 
 
-@functools.cache
-def _framework_dirs(with_jax: bool = False) -> tuple[str, ...]:
-    """The folders of flax, Equinox, optax, this library (and JAX, when asked)."""
-    import importlib.util
-    import os
-
-    names = ["flax", "equinox", "optax", "haiku", "chex", "loss_scaling"]
-    dirs: list[str] = []
-    for name in names + (["jax"] if with_jax else []):
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.submodule_search_locations:
-            dirs.extend(os.path.join(p, "") for p in spec.submodule_search_locations)
-    return tuple(dirs)
-
-
 def user_frame(traceback: Any) -> Any:
     """The innermost frame of ``traceback`` outside JAX, flax, Equinox, optax and this
     library (``None`` when there is none)."""
     if traceback is None:
         return None
-    skip = _framework_dirs()
+    skip = _registry.library_dirs()
     for frame in source_info_util.user_frames(traceback):
         if not frame.file_name.startswith(skip) or frame.file_name.endswith("demo.py"):
             return frame

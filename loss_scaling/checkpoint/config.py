@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 
 from loss_scaling.checkpoint.state_dict import (
-    _build,
-    _concrete,
-    _kind,
-    _parse,
-    _static_factor,
+    build,
+    is_concrete,
+    kind_of,
+    parse,
     place_like,
     state_dict,
+    static_factor,
 )
-from loss_scaling.core.scalers import DynamicLossScale, LossScale, StaticLossScale
-from loss_scaling.core.validation import DynamicConfig, scale_in_range, scale_range
+from loss_scaling.core import fields, headroom
+from loss_scaling.core.scalers import (
+    DynamicLossScale,
+    LossScale,
+    StaticLossScale,
+    holds_failure,
+    with_failure,
+)
+from loss_scaling.core.validation import scale_in_range
 
 USE_RESTORE_WITH_CONFIG = (
     "To keep the saved loss scale and counters under the target's configuration, use "
@@ -30,23 +36,23 @@ USE_RESTORE_WITH_CONFIG = (
 
 def _config_differences(saved: Any, target: LossScale) -> list[str]:
     """Every field on which ``saved`` and ``target`` disagree, as readable lines."""
-    target_kind = _kind(target)
-    saved_kind, saved_config, values = _parse(
+    target_kind = kind_of(target)
+    saved_kind, saved_config, values = parse(
         saved if isinstance(saved, Mapping) else state_dict(saved))
     if saved_kind != target_kind:
         return [f"kind: saved {saved_kind!r}, target {target_kind!r}"]
     if isinstance(target, StaticLossScale):
         # A static factor is configuration held in a leaf: compared, never adopted silently.
-        saved_factor, target_factor = values["loss_scale"], _static_factor(target)
+        saved_factor, target_factor = values["loss_scale"], static_factor(target)
         if target_factor is not None and saved_factor != target_factor:
             return [f"loss_scale (a StaticLossScale's factor): saved {saved_factor!r}, "
                     f"target {target_factor!r}"]
     if saved_config is None or not isinstance(target, DynamicLossScale):
         return []
-    return [f"{f.name}: saved {getattr(saved_config, f.name)!r}, "
-            f"target {getattr(target.config, f.name)!r}"
-            for f in dataclasses.fields(DynamicConfig)
-            if getattr(saved_config, f.name) != getattr(target.config, f.name)]
+    return [f"{name}: saved {getattr(saved_config, name)!r}, "
+            f"target {getattr(target.config, name)!r}"
+            for name in fields.SETTING_NAMES
+            if getattr(saved_config, name) != getattr(target.config, name)]
 
 
 def check_same_config(saved: LossScale | Mapping[str, Any], target: LossScale) -> None:
@@ -138,51 +144,37 @@ def restore_with_config(saved: LossScale | Mapping[str, Any], target: LossScale)
       ...                           ls.StaticLossScale(1024.0)).loss_scale)
       1024.0
     """
-    target_kind = _kind(target)
-    kind, _, values = _parse(saved if isinstance(saved, Mapping) else state_dict(saved))
+    target_kind = kind_of(target)
+    kind, _, values = parse(saved if isinstance(saved, Mapping) else state_dict(saved))
     if kind != target_kind:
         raise ValueError(f"kind: saved {kind!r}, target {target_kind!r}. restore_with_config "
                          "keeps the kind; to change it, build the new state from the saved "
                          "scale, e.g. `ls.StaticLossScale(float(saved.loss_scale))`.")
     if isinstance(target, StaticLossScale):
-        factor = _static_factor(target)
-        return _in_layout(_build(kind, None, values if factor is None
-                                 else {"loss_scale": factor}), target)
+        factor = static_factor(target)
+        return _in_layout(build(kind, None, values if factor is None
+                                else {"loss_scale": factor}), target)
     if not isinstance(target, DynamicLossScale):
-        return _build(kind, None, values)
+        return build(kind, None, values)
     config = target.config
     scale = values["loss_scale"]
     scale_in_range("the saved loss_scale", scale, config, where="the target's ",
                    fix=" Widen the target's range, or keep the saved configuration.")
-    return _in_layout(_build("dynamic", config, {
+    return _in_layout(build("dynamic", config, {
         "loss_scale": scale,
         "growth_tracker": min(values["growth_tracker"], config.growth_interval - 1),
         "nonfinite_tracker": min(values["nonfinite_tracker"], config.hysteresis),
         "failure": values["failure"],   # sticky: a new configuration does not heal a run
-        **_adopted_headroom(values, config),
+        **headroom.adopted(values, config),
     }), target)
 
 
-def _adopted_headroom(values: Mapping[str, Any], config: DynamicConfig) -> dict[str, Any]:
-    """The headroom values under a target config (as :func:`restore_with_config` says; the
-    ceiling is the range's top when none was saved)."""
-    if config.growth != "headroom":
-        return {}
-    assert config.headroom_window is not None
-    window = config.headroom_window
-    low, high = scale_range(config)
-    history = values.get("grad_max_history")
-    kept = history is not None and len(history) == window
-    return {
-        "grad_max_history": history if kept else [0.0] * window,
-        "headroom_tracker": values["headroom_tracker"] if kept else 0,
-        "ceiling": min(max(values.get("ceiling", high), low), high),
-    }
-
-
 def _in_layout(scaler: LossScale, target: LossScale) -> LossScale:
-    """``scaler`` (scalars) in the layout of a concrete ``target`` (replicated, sharded)."""
-    if not all(map(_concrete, jax.tree.leaves(target))):
+    """``scaler`` (scalars) in the layout of a concrete ``target`` (replicated, sharded);
+    a ``failure`` in the layout of the counters where ``target`` has none (a wrapper's)."""
+    if not all(map(is_concrete, jax.tree.leaves(target))):
         return scaler
+    if isinstance(target, DynamicLossScale) and not holds_failure(target):
+        target = with_failure(target, target.growth_tracker)
     return jax.tree.map(place_like, scaler, target)
 

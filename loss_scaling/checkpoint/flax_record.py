@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import struct
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from loss_scaling._errors import RestoreError, show
-from loss_scaling.checkpoint.state_dict import _concrete, _host_array
+from loss_scaling.checkpoint.record import RecordError, decode, encode
+from loss_scaling.checkpoint.state_dict import host_array, is_concrete
 from loss_scaling.checkpoint.upgrade import as_saved, saved_at, upgrade_restored
+from loss_scaling.core import fields
 from loss_scaling.core.scalers import (
-    FLOAT_LEAVES,
     SCALER_TYPES,
     DynamicLossScale,
     LossScale,
@@ -26,7 +25,6 @@ from loss_scaling.core.scalers import (
     StaticLossScale,
     leaf_names,
 )
-from loss_scaling.core.validation import counter_in_range, history_in_range, scale_in_range
 from loss_scaling.wrapper.state import LossScalingState
 
 PRE_LOSS_SCALING = (
@@ -36,106 +34,10 @@ PRE_LOSS_SCALING = (
     "\"Starting loss scaling from an existing checkpoint\")."
 )
 
-# The checked record that flax.serialization stores for a static or dynamic scaler:
-#   magic b"LSR1" | kind u8 (1 static, 2 dynamic, 3 dynamic with growth="headroom") |
-#   ndim u8 | dims u32[ndim] | (kind 3: window u32) |
-#   each leaf (leaf_names order), little-endian float32 / int32, C order | crc32 u32
-# of everything before it. The dims are the scalar leaves' shape (replica axes, or none);
-# grad_max_history has the dims and then the window.
-# One msgpack `bin`: msgpack never decodes inside it, so a
-# corrupted byte of the record reaches `_flax_from_state_dict` (a ValueError naming the
-# field), and the CRC-32 refuses every 1- to 32-bit burst and all but 2**-32 of the rest:
-# a flipped bit of the scale's float32 can give another in-range scale, which no range
-# check can see.
-_RECORD_MAGIC = b"LSR1"
-_RECORD_NAMES = {1: "StaticLossScale", 2: "DynamicLossScale",
-                 3: "DynamicLossScale with growth='headroom'"}
-_F32_DTYPE = np.dtype("<f4")
-_INT_DTYPE = np.dtype("<i4")
-
-
-def _record_dtype(name: str) -> np.dtype:
-    return _F32_DTYPE if name in FLOAT_LEAVES else _INT_DTYPE
-
-
-def _window(scaler: LossScale) -> int | None:
-    """The history length of a headroom scaler (None for every other: its config has none)."""
-    return getattr(getattr(scaler, "config", None), "headroom_window", None)
-
-
-def _record_kind(scaler: LossScale) -> int:
-    if isinstance(scaler, StaticLossScale):
-        return 1
-    return 2 if _window(scaler) is None else 3
-
-
-def _record(scaler: LossScale) -> bytes | None:
-    """The checked record of a concrete scaler; None for placeholders and tracers."""
-    names = leaf_names(scaler)
-    leaves = [getattr(scaler, name) for name in names]
-    if not all(map(_concrete, leaves)):
-        return None
-    arrays = [_host_array(leaf) for leaf in leaves]
-    shape, window = arrays[0].shape, _window(scaler)
-    if len(shape) > 255 or any(
-            a.shape != (shape if n != "grad_max_history" else (*shape, window))
-            for n, a in zip(names, arrays, strict=True)):
-        return None
-    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        body = b"".join(np.ascontiguousarray(a.astype(_record_dtype(n))).tobytes()
-                        for n, a in zip(names, arrays, strict=True))
-    payload = (_RECORD_MAGIC + struct.pack("<BB", _record_kind(scaler), len(shape))
-               + struct.pack(f"<{len(shape)}I", *shape)
-               + (b"" if window is None else struct.pack("<I", window)) + body)
-    return payload + struct.pack("<I", zlib.crc32(payload))
-
-
-def _read_record(target: LossScale, record: bytes) -> dict[str, np.ndarray]:
-    """The named arrays of a checked record; a ValueError for anything corrupted."""
-    names = leaf_names(target)
-    if len(record) < len(_RECORD_MAGIC) + 6 or zlib.crc32(record[:-4]) != struct.unpack(
-            "<I", record[-4:])[0]:
-        raise _flax_error(
-            f"the record of {', '.join(names)} ({len(record)} bytes) fails its CRC-32 check: "
-            "the bytes are corrupted or truncated. Restore an intact copy of the checkpoint.")
-    if record[:4] != _RECORD_MAGIC:
-        raise _flax_error(f"the record starts with {record[:4]!r}, not {_RECORD_MAGIC!r}: it "
-                          "was written by a newer or another program.")
-    kind, ndim = struct.unpack("<BB", record[4:6])
-    if kind != _record_kind(target):
-        raise _flax_error(
-            f"the bytes hold a {_RECORD_NAMES.get(kind, f'record of kind {kind}')}, the "
-            f"target is a {_RECORD_NAMES[_record_kind(target)]}: build the target with the "
-            "saved configuration (its growth rule included).")
-    offset = 6 + 4 * ndim
-    shape = struct.unpack(f"<{ndim}I", record[6:offset])
-    window = _window(target)
-    if window is not None:
-        saved_window = struct.unpack("<I", record[offset:offset + 4])[0]
-        offset += 4
-        if saved_window != window:
-            raise _flax_error(
-                f"the bytes hold a headroom_window of {saved_window}, the target's is "
-                f"{window}: build the target with the saved configuration.")
-    count = int(np.prod(shape, dtype=np.int64))
-    sizes = {n: count * (window or 1 if n == "grad_max_history" else 1) for n in names}
-    if len(record) != offset + 4 * sum(sizes.values()) + 4:
-        raise _flax_error(f"the record's length ({len(record)} bytes) does not match its "
-                          f"shape {shape}.")
-    arrays = {}
-    for name in names:
-        dtype = _record_dtype(name)
-        arrays[name] = np.frombuffer(record, dtype, sizes[name], offset).reshape(
-            (*shape, window) if name == "grad_max_history" else shape).astype(
-            dtype.newbyteorder("="))
-        offset += 4 * sizes[name]
-    return arrays
-
-
 def _flax_to_state_dict(scaler: LossScale) -> Any:
     if isinstance(scaler, NoOpLossScale):
         return {}
-    record = _record(scaler)
+    record = encode(scaler)
     if record is not None:
         return record
     # Placeholders (None, ShapeDtypeStruct) and tracers: the leaves by name, unchecked.
@@ -147,6 +49,11 @@ def _flax_error(message: str) -> RestoreError:
     return RestoreError(f"cannot restore the loss-scale state at {path!r}: {message}")
 
 
+ADOPT_THE_CONFIG = (
+    " If the saved configuration differs, restore the saved state with its own "
+    "configuration and adopt the new one with `loss_scaling.restore_with_config`.")
+
+
 def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
     """Checks a concrete restored leaf against the target's layout and configuration.
 
@@ -156,7 +63,7 @@ def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
     """
     target_leaf = getattr(target, name, None)
     if value is None or isinstance(value, (jax.ShapeDtypeStruct, jax.core.Tracer)):
-        if _concrete(target_leaf):
+        if is_concrete(target_leaf):
             raise _flax_error(f"{name} is {show(value)}, not a value: the saved state was a "
                               "placeholder (e.g. from jax.eval_shape).")
         return value
@@ -164,34 +71,27 @@ def _flax_leaf(target: LossScale, name: str, value: Any) -> Any:
         array = np.asarray(value)
     except Exception:  # ragged lists and other junk: still a ValueError
         raise _flax_error(f"{name} must be an array, got {show(value)}.") from None
-    integer = name not in FLOAT_LEAVES
+    integer = not fields.is_float(name)
     if array.dtype.kind not in ("iu" if integer else "f"):
         raise _flax_error(
             f"{name} must be {'an integer' if integer else 'a floating'} array, got "
             f"{show(value)} of dtype {array.dtype}.")
+    config = target.config if isinstance(target, DynamicLossScale) else None
     # The target's shape (replica axes included); a None placeholder: an unreplicated leaf.
     expected = tuple(np.shape(target_leaf)) if target_leaf is not None else (
-        () if name != "grad_max_history" else (_window(target) or 0,))
+        fields.shape(name, config))
     if array.shape != expected:
         raise _flax_error(
             f"{name} has shape {array.shape}, the target's has shape {expected}: restore into "
             "a target of the saved layout (a pmap-replicated state has a leading device "
             "axis: replicate the target with flax.jax_utils.replicate, or save one replica).")
-    config = target.config if isinstance(target, DynamicLossScale) else None
     try:
-        if integer:
-            assert config is not None  # the only kind with integer leaves
-            counter_in_range(name, array, config, config_name="the target's ", fix=(
-                " If the saved configuration differs, restore the saved state with its own "
-                "configuration and adopt the new one with `loss_scaling.restore_with_config`."))
-        elif name == "grad_max_history":
-            history_in_range(name, array)
-        else:
-            scale_in_range(name, array, config, where="the target's ")
+        fields.check_leaf(name, array, config, label=name, config_name="the target's ",
+                          fix=ADOPT_THE_CONFIG if integer else "")
     except ValueError as error:
         raise _flax_error(str(error)) from None
-    if isinstance(target, StaticLossScale) and _concrete(target_leaf):
-        configured = _host_array(target_leaf).astype(np.float32)
+    if isinstance(target, StaticLossScale) and is_concrete(target_leaf):
+        configured = host_array(target_leaf).astype(np.float32)
         if not np.array_equal(array.astype(np.float32), configured):
             raise _flax_error(
                 f"loss_scale: saved {show(array.tolist())}, the target's StaticLossScale "
@@ -209,7 +109,10 @@ def _flax_from_state_dict(target: LossScale, state: Any) -> LossScale:
     names = leaf_names(target)
     try:
         if isinstance(state, (bytes, bytearray, memoryview)) and names:
-            state = _read_record(target, bytes(state))
+            try:
+                state = decode(target, bytes(state))
+            except RecordError as error:
+                raise _flax_error(str(error)) from None
         if not isinstance(state, Mapping) or set(state) != set(names):
             got = sorted(map(show, state)) if isinstance(state, Mapping) else show(state)
             raise _flax_error(f"expected {'the checked record of' if names else 'a dict with'}"

@@ -15,9 +15,10 @@ import orbax.checkpoint as ocp
 from loss_scaling._errors import show
 from loss_scaling.checkpoint.flax_record import PRE_LOSS_SCALING
 from loss_scaling.checkpoint.restore import replace_loss_scale, resolve
-from loss_scaling.checkpoint.state_dict import _host_array, from_state_dict, state_dict
+from loss_scaling.checkpoint.state_dict import from_state_dict, host_array, state_dict
 from loss_scaling.checkpoint.upgrade import target_as_saved, upgrade_restored
-from loss_scaling.core.scalers import FLOAT_LEAVES, LossScale, leaf_names, leaf_ndim
+from loss_scaling.core import fields
+from loss_scaling.core.scalers import LossScale, leaf_names
 from loss_scaling.lookup import get_loss_scale
 
 __all__ = ["LOSS_SCALE_ITEM", "STATE_ITEM", "restore", "save_args"]
@@ -53,8 +54,8 @@ KEEP_STRUCTURE = (
 
 def _arrays(scaler: LossScale) -> str:
     """The loss scale's arrays by name and shape: what Orbax restores into."""
-    window = getattr(getattr(scaler, "config", None), "headroom_window", None)
-    return ", ".join(f"{name}[{window}]" if name == "grad_max_history" else name
+    config = getattr(scaler, "config", None)
+    return ", ".join(name + "".join(f"[{n}]" for n in fields.shape(name, config))
                      for name in leaf_names(scaler)) or "none"
 
 
@@ -65,7 +66,7 @@ def _structure_change(saved: LossScale, target: LossScale) -> tuple[str, str] | 
     target_config = getattr(target, "config", None)
     if saved_config is None or target_config is None:
         return None
-    for name in ("growth", "headroom_window"):  # another rule: its window is moot
+    for name in fields.structure_settings():  # another rule: its window is moot
         saved_value, target_value = getattr(saved_config, name), getattr(target_config, name)
         if saved_value != target_value:
             return (f"{name} ({target_value!r} for the saved {saved_value!r})",
@@ -92,8 +93,8 @@ def one_replica(scaler: LossScale) -> LossScale:
     leaves, treedef = jax.tree.flatten(scaler)
     single = []
     for name, leaf in zip(leaf_names(scaler), leaves, strict=True):
-        host = _host_array(leaf)
-        own = host.shape[host.ndim - leaf_ndim(name):]   # the leaf's own axes, not replicas'
+        host = host_array(leaf)
+        own = host.shape[host.ndim - fields.ndim(name):]   # the leaf's own axes, not replicas'
         copies = host.reshape(-1, *own).view(f"u{host.dtype.itemsize}")  # bitwise: NaN == NaN
         if not (copies == copies[0]).all():
             raise ValueError(
@@ -166,7 +167,7 @@ def save_args(state: Any, *, path: str | None = None, **items: Any) -> ocp.args.
 
 
 def _values(scaler: LossScale) -> dict[str, Any]:
-    return {name: _host_array(getattr(scaler, name)) for name in leaf_names(scaler)}
+    return {name: host_array(getattr(scaler, name)) for name in leaf_names(scaler)}
 
 
 def _saved_items(mngr: ocp.CheckpointManager, step: int) -> list[str] | None:
@@ -209,9 +210,7 @@ def _in_own_dtypes(abstract_state: Any, scaler: LossScale) -> Any:
     int32), whatever the target says (an idiom restores every float leaf in bfloat16), so
     that the arrays compare bit for bit with the JSON. The leaves are found by identity
     (``get_loss_scale`` returns the target's own leaf objects)."""
-    wanted = {id(getattr(scaler, name)): np.dtype(np.float32 if name in FLOAT_LEAVES
-                                                  else np.int32)
-              for name in leaf_names(scaler)}
+    wanted = {id(getattr(scaler, name)): fields.dtype(name) for name in leaf_names(scaler)}
 
     def own_dtype(leaf: Any) -> Any:
         dtype = wanted.get(id(leaf))

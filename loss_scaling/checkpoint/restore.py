@@ -15,7 +15,7 @@ from loss_scaling.checkpoint.config import (
     restore_with_config,
 )
 from loss_scaling.checkpoint.state_dict import from_state_dict, place_like, state_dict
-from loss_scaling.core.scalers import LossScale
+from loss_scaling.core.scalers import LossScale, without_failure
 from loss_scaling.lookup import get_loss_scale
 from loss_scaling.wrapper.state import LossScalingState, carried_failure
 
@@ -89,8 +89,8 @@ def resolve(saved: LossScale | Mapping[str, Any], target: LossScale, *,
 
 def replace_loss_scale(state: Any, new: LossScale, path: str | None = None) -> Any:
     """``state`` with the loss scale ``get_loss_scale(state, path)`` picks replaced by
-    ``new`` (a scalar state), placed in the layout of the leaves it replaces; the
-    wrapper's failure register takes a failed scaler's code (:func:`carried_failure`)."""
+    ``new`` (a scalar state on its own), placed in the layout of the leaves it replaces;
+    the wrapper's failure register takes a failed scaler's code (:func:`carried_failure`)."""
     target = get_loss_scale(state, path)
     new = jax.tree.map(place_like, new, target)
     for hooks in framework_hooks():  # a framework's own state (a mutable nnx.Optimizer)
@@ -98,7 +98,7 @@ def replace_loss_scale(state: Any, new: LossScale, path: str | None = None) -> A
             replaced = hooks.replace_scale(state, new, path)
             if replaced is not NotImplemented:
                 return replaced
-    target_leaves = jax.tree.leaves(target)
+    target_leaves = jax.tree.leaves(without_failure(target))  # the scaler's, not the register
     if not target_leaves:  # a NoOpLossScale: nothing to restore
         return state
 
@@ -117,10 +117,12 @@ def replace_loss_scale(state: Any, new: LossScale, path: str | None = None) -> A
             "each loss scale its own arrays.")
 
     old = found[0][1]
+    held = without_failure(new)
     out = optax.tree_utils.tree_set(state, is_target, LossScalingState=old._replace(
-        scaler=new, failure=carried_failure(old.failure, new)))
-    if any(a is not b for a, b in zip(jax.tree.leaves(get_loss_scale(out, path)),
-                                      jax.tree.leaves(new), strict=True)):
+        scaler=held, failure=carried_failure(old.failure, new)))
+    if any(a is not b for a, b in zip(
+            jax.tree.leaves(without_failure(get_loss_scale(out, path))),
+            jax.tree.leaves(held), strict=True)):
         # optax.tree_utils.tree_set does not reach a wrapper inside another's inner state.
         raise ValueError(
             "restore_loss_scale cannot replace a loss scale nested inside another "

@@ -5,7 +5,6 @@ every refusal names the field) and off devices. README.md says why.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,36 +13,46 @@ import jax.numpy as jnp
 import numpy as np
 
 from loss_scaling._errors import show
-from loss_scaling.core import validation
+from loss_scaling.core import fields, validation
+from loss_scaling.core.fields import DynamicConfig
 from loss_scaling.core.scalers import (
-    DYNAMIC_LEAVES,
-    FLOAT_LEAVES,
-    HEADROOM_LEAVES,
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
+    dynamic_from_leaves,
     leaf_names,
-    leaf_ndim,
     require_scaler,
 )
-from loss_scaling.core.validation import DynamicConfig
+from loss_scaling.core.validation import F32
 
 FORMAT_VERSION = 1
 """The version :func:`state_dict` writes and :func:`from_state_dict` reads."""
 
 _INVALID = "invalid loss-scale state dict: "
 _TOP_KEYS = ("format_version", "kind", "config", "values")
-_CONFIG_KEYS = {"noop": (), "static": (),
-                "dynamic": tuple(f.name for f in dataclasses.fields(DynamicConfig))}
-_VALUE_KEYS = {"noop": (), "static": ("loss_scale",),
-               "dynamic": ("loss_scale", "growth_tracker", "nonfinite_tracker")}
-# growth="headroom" has all of _CONFIG_KEYS["dynamic"] and these values too; the interval
-# rule's dict has only INTERVAL_FIELDS as config keys (as before headroom growth).
-HEADROOM_VALUE_KEYS = ("grad_max_history", "headroom_tracker", "ceiling")
 _KIND_OF_TYPE: dict[type, str] = {
     NoOpLossScale: "noop", StaticLossScale: "static", DynamicLossScale: "dynamic"}
-_F32 = np.finfo(np.float32)
+KINDS = tuple(_KIND_OF_TYPE.values())
+OPTIONAL_VALUES = (fields.FAILURE,)
+"""Values a dict holds only when set: a healthy state's dict has no ``failure``."""
+
+
+def config_keys(kind: str, growth: Any = fields.INTERVAL) -> tuple[str, ...]:
+    """The keys of a ``kind`` dict's ``config`` (a dynamic one's: those its rule shows)."""
+    if kind != "dynamic":
+        return ()
+    return fields.shown(growth if growth in fields.GROWTH_RULES else fields.INTERVAL)
+
+
+def value_keys(kind: str, growth: Any = fields.INTERVAL) -> tuple[str, ...]:
+    """The keys of a ``kind`` dict's ``values`` (:data:`OPTIONAL_VALUES` included)."""
+    if kind == "noop":
+        return ()
+    if kind == "static":
+        return (fields.LOSS_SCALE,)
+    return fields.dynamic_leaf_names(
+        growth if growth in fields.GROWTH_RULES else fields.INTERVAL)
 
 
 # ----------------------------------------------------------- reading untrusted fields
@@ -98,7 +107,7 @@ def _number(name: str, value: Any, below_normal: bool = False) -> float:
     with np.errstate(over="ignore", under="ignore"):
         rounded = np.float32(number)
     if float(rounded) == number or not (
-            np.isfinite(rounded) and abs(rounded) >= (0.0 if below_normal else _F32.tiny)):
+            np.isfinite(rounded) and abs(rounded) >= (0.0 if below_normal else F32.tiny)):
         return number  # exact, or out of range: the range check names the range
     below, above = sorted((float(rounded), float(np.nextafter(
         rounded, np.float32(np.inf if float(rounded) < number else -np.inf)))))
@@ -123,7 +132,7 @@ def _scale(name: str, value: Any) -> float:
 # --------------------------------------------------------------------- the format
 
 
-def _parse(d: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
+def parse(d: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
     """Validates a state dict; returns its kind, its config (dynamic only) and values."""
     try:
         return _parse_fields(d)
@@ -139,87 +148,90 @@ def _parse_fields(d: Any) -> tuple[str, DynamicConfig | None, dict[str, Any]]:
         raise ValueError(f"format_version must be the integer {FORMAT_VERSION} (the one this "
                          f"loss_scaling reads), got {show(version)}.")
     kind = d["kind"]
-    if not isinstance(kind, str) or kind not in _CONFIG_KEYS:
-        raise ValueError(f"unknown kind {show(kind)}: expected one of {list(_CONFIG_KEYS)}.")
-    config_keys, value_keys = _CONFIG_KEYS[kind], _VALUE_KEYS[kind]
-    if kind == "dynamic":
-        if isinstance(d["config"], Mapping) and d["config"].get("growth") == "headroom":
-            value_keys += HEADROOM_VALUE_KEYS
-        else:  # the others may be given, and the validator refuses headroom options
-            config_keys = validation.INTERVAL_FIELDS
-    raw_config = _mapping("config", d["config"], config_keys, optional=_CONFIG_KEYS[kind])
-    raw_values = _mapping("values", d["values"], value_keys,
-                          optional=("failure",) if kind == "dynamic" else ())
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ValueError(f"unknown kind {show(kind)}: expected one of {list(KINDS)}.")
+    growth = d["config"].get("growth") if isinstance(d["config"], Mapping) else None
+    # Exactly the keys its rule shows: an interval dict has the keys it had before
+    # headroom growth existed, a headroom dict every setting.
+    raw_config = _mapping("config", d["config"], config_keys(kind, growth))
+    keys = value_keys(kind, growth)
+    raw_values = _mapping("values", d["values"], tuple(k for k in keys if k not in
+                                                       OPTIONAL_VALUES),
+                          optional=tuple(k for k in keys if k in OPTIONAL_VALUES))
     if kind == "noop":
         return kind, None, {}
-    loss_scale = _scale("values.loss_scale", raw_values["loss_scale"])
+    loss_scale = _scale("values.loss_scale", raw_values[fields.LOSS_SCALE])
     if kind == "static":
-        return kind, None, {"loss_scale": loss_scale}
+        return kind, None, {fields.LOSS_SCALE: loss_scale}
     config = _parse_config(raw_config)
-    validation.scale_in_range("values.loss_scale", loss_scale, config, where="config.")
-    values: dict[str, Any] = {"loss_scale": loss_scale}
-    for name in validation.counter_ranges(config):  # failure: optional
-        values[name] = _integer(f"values.{name}", raw_values.get(name, 0))
-        validation.counter_in_range(name, values[name], config, where="values.")
-    if config.growth == "headroom":
-        raw = raw_values["grad_max_history"]
-        if not isinstance(raw, (list, tuple)) or len(raw) != config.headroom_window:
-            raise ValueError(f"values.grad_max_history must be a list of "
-                             f"config.headroom_window = {config.headroom_window} numbers, "
-                             f"got {show(raw)}.")
-        values["grad_max_history"] = [
-            _number(f"values.grad_max_history[{i}]", x, below_normal=True)
-            for i, x in enumerate(raw)]
-        validation.history_in_range("values.grad_max_history", values["grad_max_history"])
-        values["ceiling"] = _scale("values.ceiling", raw_values["ceiling"])
-        validation.scale_in_range("values.ceiling", values["ceiling"], config, where="config.")
+    values: dict[str, Any] = {fields.LOSS_SCALE: loss_scale}
+    for name in keys:
+        label = f"values.{name}"
+        raw = raw_values.get(name, 0)  # an optional value: 0
+        if fields.ndim(name):
+            length = fields.shape(name, config)[0]
+            if not isinstance(raw, (list, tuple)) or len(raw) != length:
+                raise ValueError(f"{label} must be a list of config.headroom_window = "
+                                 f"{length} numbers, got {show(raw)}.")
+            values[name] = [_number(f"{label}[{i}]", x, below_normal=True)
+                            for i, x in enumerate(raw)]
+        elif name != fields.LOSS_SCALE:
+            values[name] = (_scale(label, raw) if fields.is_float(name)
+                            else _integer(label, raw))
+        fields.check_leaf(name, values[name], config, label=label, config_name="config.")
     return kind, config, values
 
 
 def _parse_config(raw: Mapping[str, Any]) -> DynamicConfig:
-    """A dynamic config: each field read on its own (the message names the one at
-    fault), then checked by the validator, its messages naming ``config.<field>``."""
+    """A dynamic config: each setting read as its declaration says (the message names
+    the one at fault), then checked by it, the messages naming ``config.<setting>``."""
+    reads = {f.name: f.metadata["read"] for f in fields.SETTINGS}
     settings: dict[str, Any] = {}
     for name, value in raw.items():
         field = f"config.{name}"
-        if name in ("growth_factor", "backoff_factor", "headroom_margin"):
+        read = reads[name]
+        if read == "number":
             settings[name] = _number(field, value)
-        elif name in ("growth_interval", "hysteresis", "headroom_window"):
+        elif read == "integer":
             settings[name] = _integer(field, value)
-        elif name in ("min_scale", "max_scale"):
+        elif read == "scale":
             settings[name] = None if value is None else _scale(field, value)
-        elif name == "headroom_dtype" and not isinstance(value, str):
+        elif read == "dtype" and not isinstance(value, str):
             raise ValueError(f"{field} must be a dtype name (a str such as 'float16'), got "
                              f"{show(value)} of type {type(value).__name__}.")
         else:
             settings[name] = value
+    for name in fields.SETTING_NAMES:  # the other rule's options: not in the dict
+        settings.setdefault(name, None if name != "growth" else fields.INTERVAL)
     try:
-        return validation.dynamic_config(**settings)
+        return fields.dynamic_config(**settings)
     except ValueError as error:  # names the argument (growth_factor, backoff_factor)
         raise ValueError(f"config.{error}") from None
 
 
-def _build(kind: str, config: DynamicConfig | None, values: dict[str, Any]) -> LossScale:
+def build(kind: str, config: DynamicConfig | None, values: dict[str, Any]) -> LossScale:
+    """The state :func:`parse` read (checked values, Python numbers), as float32 / int32
+    arrays."""
     if kind == "noop":
         return NoOpLossScale()
     if kind == "static":
-        return StaticLossScale(values["loss_scale"])
+        return StaticLossScale(values[fields.LOSS_SCALE])
     assert config is not None
-    names = HEADROOM_LEAVES if config.growth == "headroom" else DYNAMIC_LEAVES
-    return DynamicLossScale._from_parts(config, tuple(jnp.asarray(np.asarray(
-        values.get(name, 0), np.float32 if name in FLOAT_LEAVES else np.int32))
-        for name in names))
+    return dynamic_from_leaves(config, tuple(
+        jnp.asarray(np.asarray(values.get(name, 0), fields.dtype(name)))
+        for name in fields.dynamic_leaf_names(config.growth)))
 
 
 # ------------------------------------------------- leaves on the host, and back
 
 
-def _kind(scaler: Any) -> str:
+def kind_of(scaler: Any) -> str:
+    """The ``kind`` of a loss-scale state (a TypeError naming anything else)."""
     require_scaler("state", scaler)
     return _KIND_OF_TYPE[type(scaler)]
 
 
-def _host_array(leaf: Any) -> np.ndarray:
+def host_array(leaf: Any) -> np.ndarray:
     """A concrete leaf on the host; a replicated array that spans other hosts' devices
     (multi-host ``NamedSharding``) is read from this host's own copy."""
     if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
@@ -242,17 +254,18 @@ def place_like(value: Any, like: Any) -> Any:
     return jax.make_array_from_callback(shape, sharding, lambda index: host[index])
 
 
-def _concrete(leaf: Any) -> bool:
+def is_concrete(leaf: Any) -> bool:
+    """Whether a leaf holds values (not a placeholder: None, ShapeDtypeStruct, a tracer)."""
     return leaf is not None and not isinstance(
         leaf, (jax.ShapeDtypeStruct, jax.core.Tracer)) and hasattr(leaf, "shape")
 
 
-def _static_factor(scaler: StaticLossScale) -> float | None:
+def static_factor(scaler: StaticLossScale) -> float | None:
     """The factor of a concrete static scaler (one value, replicated or not); None for a
     placeholder (an abstract target carries no factor)."""
-    if not _concrete(scaler.loss_scale):
+    if not is_concrete(scaler.loss_scale):
         return None
-    values = np.unique(_host_array(scaler.loss_scale).astype(np.float32))
+    values = np.unique(host_array(scaler.loss_scale).astype(np.float32))
     if values.size != 1:
         raise ValueError(
             f"the StaticLossScale's replicas disagree: loss_scale {show(values.tolist())}.")
@@ -264,7 +277,7 @@ def _read(name: str, leaf: Any, integer: bool, ndim: int = 0) -> Any:
     if isinstance(leaf, jax.core.Tracer):
         raise ValueError(f"state_dict needs concrete values, but {name} is traced: call it "
                          "outside jit, on the state a compiled step returned.")
-    array = _host_array(leaf)
+    array = host_array(leaf)
     if array.ndim != ndim:
         raise ValueError(
             f"state_dict needs {'scalar' if ndim == 0 else 'vector'} values, but {name} has "
@@ -317,16 +330,25 @@ def state_dict(scaler: LossScale) -> dict[str, Any]:
       >>> state_dict(ls.StaticLossScale(128.0))
       {'format_version': 1, 'kind': 'static', 'config': {}, 'values': {'loss_scale': 128.0}}
     """
-    kind = _kind(scaler)
-    config = {} if not isinstance(scaler, DynamicLossScale) else {
-        name: getattr(scaler.config, name) for name in validation.config_fields(scaler.config)}
-    values = {name: _read(name, getattr(scaler, name), integer=name not in FLOAT_LEAVES,
-                          ndim=leaf_ndim(name)) for name in leaf_names(scaler)}
-    if values.get("failure") == 0:  # written only when set: a healthy state's dict is unchanged
-        del values["failure"]
-    d = {"format_version": FORMAT_VERSION, "kind": kind, "config": config, "values": values}
-    _parse(d)
-    return d
+    kind = kind_of(scaler)
+    config = getattr(scaler, "config", None)
+    settings = {} if config is None else {
+        name: getattr(config, name) for name in fields.shown(config.growth)}
+    values = {name: _read(name, getattr(scaler, name), integer=not fields.is_float(name),
+                          ndim=fields.ndim(name)) for name in leaf_names(scaler)}
+    # The values as from_state_dict checks them: one that cannot be restored is never
+    # written (a NaN scale, a counter out of range).
+    try:
+        for name, value in values.items():
+            fields.check_leaf(name, value, config, label=f"values.{name}",
+                              config_name="config.")
+    except ValueError as error:
+        raise ValueError(_INVALID + str(error)) from None
+    for name in OPTIONAL_VALUES:  # written only when set: a healthy state's dict is unchanged
+        if values.get(name) == 0:
+            del values[name]
+    return {"format_version": FORMAT_VERSION, "kind": kind, "config": settings,
+            "values": values}
 
 
 def from_state_dict(d: Any) -> LossScale:
@@ -363,4 +385,4 @@ def from_state_dict(d: Any) -> LossScale:
       ...
       ValueError: invalid loss-scale state dict: values.loss_scale must be a finite, ...
     """
-    return _build(*_parse(d))
+    return build(*parse(d))

@@ -16,9 +16,11 @@ import jax
 import numpy as np
 
 from loss_scaling._errors import show
-from loss_scaling.checkpoint.state_dict import _host_array, place_like
-from loss_scaling.core.scalers import HEADROOM_LEAVES, DynamicLossScale, leaf_names
-from loss_scaling.wrapper.state import LossScalingState
+from loss_scaling.checkpoint import record
+from loss_scaling.checkpoint.state_dict import host_array, place_like
+from loss_scaling.core import fields
+from loss_scaling.core.scalers import DynamicLossScale, dynamic_from_leaves, leaf_names
+from loss_scaling.wrapper.state import LossScalingState, is_state_mapping
 
 __all__ = ["FIELD_CHANGES", "FieldAdded", "FieldRemoved", "target_as_saved",
            "upgrade_restored"]
@@ -57,10 +59,14 @@ class FieldRemoved(NamedTuple):
       like: a field of the same state with the same shape and layout.
       dtype: its saved dtype.
       derived: ``fields -> value``: from the restored state's other fields (host arrays by
-        name), what the field must hold. A saved value that differs is refused: the
-        checkpoint is inconsistent, and dropping the field would hide it.
+        name), or with ``holder`` the fields of the state that holds it, what the field
+        must hold. A saved value that differs is refused: the checkpoint is
+        inconsistent, and dropping the field would hide it.
       since: the change that removed it.
       why: why dropping it loses nothing.
+      holder: ``None``, or the state whose fields ``derived`` reads: the one that holds
+        this state (``"LossScalingState"`` for its ``scaler``). Where no such state holds
+        it, the field must hold 0 (dropping it loses nothing).
     """
 
     node: str
@@ -70,10 +76,15 @@ class FieldRemoved(NamedTuple):
     derived: Callable[[Mapping[str, np.ndarray]], Any]
     since: str
     why: str
+    holder: str | None = None
 
 
 def _last_step_applied(fields: Mapping[str, np.ndarray]) -> Any:
     return fields["consecutive_skips"] == 0
+
+
+def _wrapper_failure(wrapper: Mapping[str, np.ndarray]) -> Any:
+    return wrapper["failure"]
 
 
 FIELD_CHANGES: tuple[FieldAdded | FieldRemoved, ...] = (
@@ -87,6 +98,11 @@ FIELD_CHANGES: tuple[FieldAdded | FieldRemoved, ...] = (
         value=0, dtype="int32", since="issue 42",
         why="a streak of non-finite losses is not carried over: `max_nonfinite_losses` "
             "counts from the restore on"),
+    FieldRemoved(
+        "DynamicLossScale", "failure", like="growth_tracker", dtype="int32",
+        derived=_wrapper_failure, holder="LossScalingState", since="issue 41",
+        why="a with_loss_scaling state's `failure` is the one register: its scaler's was "
+            "a copy of it, written every step (a scaler on its own keeps its own)"),
 )
 """Every change of the fields a checkpoint holds, oldest first. A change is one entry here
 (and a fixture folder written by the version that makes it, tests/fixtures/checkpoints/).
@@ -96,22 +112,10 @@ An entry whose field the state does not have (yet) is never used."""
 # ------------------------------------------------------------------ the states' fields
 
 
-# The wrapper fields that always hold leaves, whatever the options: what identifies a
-# wrapper state's mapping (an nnx.State drops fields without leaves).
-_ALWAYS_PRESENT = frozenset(LossScalingState._fields) - {"scaler", "inner_state", "underflow"}
-
-
-def _is_wrapper_mapping(node: Any) -> bool:
-    """A wrapper state as an ``nnx.State`` holds it: a mapping of its fields (those
-    without leaves dropped)."""
-    return isinstance(node, Mapping) and (
-        _ALWAYS_PRESENT <= set(node) <= set(LossScalingState._fields))
-
-
 def _is_scaler_mapping(node: Any) -> bool:
     """A dynamic scaler as an ``nnx.State`` holds it: a mapping of its leaves."""
     return isinstance(node, Mapping) and (
-        {"loss_scale", "growth_tracker"} <= set(node) <= set(HEADROOM_LEAVES))
+        {"loss_scale", "growth_tracker"} <= set(node) <= set(fields.ALL_DYNAMIC_LEAF_NAMES))
 
 
 def _fields(node: Any) -> list[str]:
@@ -139,15 +143,14 @@ class _Kind(NamedTuple):
         return self.build(target, values)
 
 
-_KINDS = (  # holders before what they hold
-    _Kind("LossScalingState",
-          lambda x: isinstance(x, LossScalingState) or _is_wrapper_mapping(x),
-          lambda target, values: LossScalingState(**values)),
-    _Kind("DynamicLossScale",
-          lambda x: isinstance(x, DynamicLossScale) or _is_scaler_mapping(x),
-          lambda target, values: DynamicLossScale._from_parts(
-              target.config, tuple(values[name] for name in leaf_names(target)))),
-)
+_WRAPPER = _Kind("LossScalingState",
+                 lambda x: isinstance(x, LossScalingState) or is_state_mapping(x),
+                 lambda target, values: LossScalingState(**values))
+_SCALER = _Kind("DynamicLossScale",
+                lambda x: isinstance(x, DynamicLossScale) or _is_scaler_mapping(x),
+                lambda target, values: dynamic_from_leaves(
+                    target.config, tuple(values[name] for name in leaf_names(target))))
+_KINDS = (_WRAPPER, _SCALER)  # holders before what they hold
 
 
 @functools.cache
@@ -318,16 +321,25 @@ def as_saved(target: Any, tree: Any,
             if not kind.is_node(node):
                 return node
             saved_node = saved_at(tree, path)
-            if not isinstance(saved_node, Mapping):  # a record, or nothing to compare
-                return node
+            in_record = record.saved_leaf_names(saved_node)  # a scaler's flax record
+            if not isinstance(saved_node, Mapping) and in_record is None:
+                return node  # nothing to compare
+            saved_fields = list(saved_node) if in_record is None else list(in_record)
             fields = _fields(node)
-            added, removed = _difference(kind.name, fields, list(saved_node), path, changes)
+            try:
+                added, removed = _difference(kind.name, fields, saved_fields, path, changes)
+            except ValueError:
+                if in_record is None:
+                    raise
+                return node  # another rule's record: reading it says so (flax_record)
             if not added and not removed:
                 return node
             values = {name: node[name] if isinstance(node, Mapping) else getattr(node, name)
                       for name in fields if name not in {c.name for c in added}}
             for change in removed:
                 values[change.name] = _placeholder(values[change.like], change.dtype)
+            if in_record is not None:  # flax reads a record into a scaler, its leaves those
+                return dynamic_from_leaves(node.config, [values[n] for n in in_record])
             if isinstance(node, Mapping):
                 mapping_type: Any = type(node)
                 return mapping_type(values)
@@ -349,7 +361,7 @@ def _host(leaf: Any, name: str, kind: str, path: Sequence[Any]) -> np.ndarray:
     if len(values) != 1:
         raise ValueError(NOT_AN_ARRAY.format(name=name, kind=kind, path=_pathname(path),
                                              value=show(leaf)))
-    return _host_array(values[0])
+    return host_array(values[0])
 
 
 class _OnHost(Mapping[str, np.ndarray]):
@@ -400,31 +412,61 @@ def upgrade_restored(restored: Any, target: Any, *,
       >>> int(ls.upgrade_restored(restored, state)["opt_state"].skipped_steps)
       0
     """
-    for kind in _KINDS:  # holders first: below them, restored and target then match
-        def upgrade(path: Sequence[Any], target_node: Any, node: Any,
-                    kind: _Kind = kind) -> Any:
-            if not kind.is_node(target_node) or (
-                    type(node) is type(target_node) and not isinstance(node, Mapping)):
-                return node
-            fields = _fields(target_node)
-            added, removed = _difference(kind.name, fields, _fields(node), path, changes)
-            if not added and not removed:
-                return node
-            values = {name: _value(node, name) for name in _fields(node)}
-            for gone in removed:
-                saved = _host(values.pop(gone.name), gone.name, kind.name, path)
-                expected = np.asarray(gone.derived(_OnHost(values, kind.name, path)))
-                if saved.dtype != expected.dtype or not np.array_equal(saved, expected):
-                    raise ValueError(INCONSISTENT_FIELD.format(
-                        kind=kind.name, path=_pathname(path), name=gone.name,
-                        saved=show(saved.tolist()), expected=show(expected.tolist()),
-                        why=gone.why))
-            for new in added:
-                value = np.asarray(new.value, np.dtype(new.dtype))
-                values[new.name] = jax.tree.map(
-                    lambda like, value=value: place_like(value, like), values[new.like])
-            return kind.rebuild(target_node, values)
+    def upgrade(kind: _Kind, path: Sequence[Any], target_node: Any, node: Any,
+                holder: Mapping[str, np.ndarray] | None) -> Any:
+        fields = _fields(target_node)
+        if fields == _fields(node) and (type(node) is type(target_node)
+                                        or isinstance(node, Mapping)):
+            return node  # saved with today's fields
+        added, removed = _difference(kind.name, fields, _fields(node), path, changes)
+        if not added and not removed:
+            return node
+        values = {name: _value(node, name) for name in _fields(node)}
+        for gone in removed:  # each against the restored fields as saved
+            saved = _host(values[gone.name], gone.name, kind.name, path)
+            if gone.holder is None:
+                others = {k: v for k, v in values.items() if k != gone.name}
+                expected = np.asarray(gone.derived(_OnHost(others, kind.name, path)))
+            elif holder is None:  # nothing holds it: only a value that says nothing drops
+                expected = np.zeros_like(saved)
+            else:
+                expected = np.asarray(gone.derived(holder))
+            if saved.dtype != expected.dtype or not np.array_equal(saved, expected):
+                raise ValueError(INCONSISTENT_FIELD.format(
+                    kind=kind.name, path=_pathname(path), name=gone.name,
+                    saved=show(saved.tolist()), expected=show(expected.tolist()),
+                    why=gone.why))
+        for gone in removed:
+            del values[gone.name]
+        for new in added:
+            value = np.asarray(new.value, np.dtype(new.dtype))
+            values[new.name] = jax.tree.map(
+                lambda like, value=value: place_like(value, like), values[new.like])
+        return kind.rebuild(target_node, values)
 
-        restored = jax.tree_util.tree_map_with_path(upgrade, target, restored,
-                                                    is_leaf=kind.is_node)
-    return restored
+    def wrapper(path: Sequence[Any], target_node: Any, node: Any) -> Any:
+        """A wrapper state, then its scaler checked against its fields."""
+        if not _WRAPPER.is_node(target_node):
+            return node
+        node = upgrade(_WRAPPER, path, target_node, node, None)
+        scaler_target = _value(target_node, "scaler") if "scaler" in _fields(
+            target_node) else None
+        if scaler_target is None or not _SCALER.is_node(scaler_target):
+            return node
+        scaler_path = (*path, jax.tree_util.GetAttrKey("scaler"))
+        scaler = upgrade(_SCALER, scaler_path, scaler_target, _value(node, "scaler"),
+                         _OnHost({n: _value(node, n) for n in _fields(node)},
+                                 _WRAPPER.name, path))
+        if isinstance(node, Mapping):
+            mapping_type: Any = type(node)
+            return mapping_type({**node, "scaler": scaler})
+        return node._replace(scaler=scaler)
+
+    def alone(path: Sequence[Any], target_node: Any, node: Any) -> Any:
+        """A scaler no wrapper holds (those a wrapper holds match their target by now)."""
+        return upgrade(_SCALER, path, target_node, node, None) if _SCALER.is_node(
+            target_node) else node
+
+    restored = jax.tree_util.tree_map_with_path(wrapper, target, restored,
+                                                is_leaf=_WRAPPER.is_node)
+    return jax.tree_util.tree_map_with_path(alone, target, restored, is_leaf=_SCALER.is_node)

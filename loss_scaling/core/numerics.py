@@ -42,7 +42,7 @@ def compute_dtype(dtype: Any) -> Any:
     return jnp.float64 if jnp.finfo(dtype).bits > 32 else jnp.float32
 
 
-def _per_part(x: jax.Array, fn: Any) -> jax.Array:
+def per_part(x: jax.Array, fn: Any) -> jax.Array:
     """``fn`` applied to a real leaf, or to a complex leaf's real and imaginary parts.
 
     Part by part, because a complex product ``(a + bj) * (s + 0j)`` turns an infinite
@@ -150,13 +150,13 @@ def _times(x: Any, lifted: jax.Array, unlift: jax.Array, cast_back: bool) -> jax
     if compute == jnp.float64:
         # float64 keeps the float32 reciprocal's exact value (normal in float64).
         factor = lifted.astype(compute) * unlift.astype(compute)
-        return _per_part(x, lambda part: part * factor)
+        return per_part(x, lambda part: part * factor)
 
     def part_times(part: jax.Array) -> jax.Array:
         product = lax.mul(lax.mul(lax.convert_element_type(part, compute), lifted), unlift)
         return lax.convert_element_type(product, dtype)
 
-    return _per_part(x, part_times)
+    return per_part(x, part_times)
 
 
 def unscale_tree(tree: Any, inverse: Reciprocal | None) -> Any:
@@ -166,13 +166,6 @@ def unscale_tree(tree: Any, inverse: Reciprocal | None) -> Any:
         return tree
     lifted, unlift = inverse.lifted, inverse.unlift
     return jax.tree.map(lambda x: _times(x, lifted, unlift, True) if is_floating(x) else x, tree)
-
-
-def _and_over_axes(flags: jax.Array, axis_name: AxisName) -> jax.Array:
-    """AND over replicas as a min of 0/1 integers: one collective, and no NaN to drop."""
-    if axis_name is None:
-        return flags
-    return lax.pmin(flags.astype(jnp.int32), axis_name) == 1
 
 
 def _difference_sum(y: jax.Array) -> jax.Array:
@@ -219,7 +212,7 @@ def unscaled_finite_leaves(
              else jnp.asarray(True) for x in jax.tree.leaves(tree)]
     if not flags:
         return jnp.ones((0,), jnp.bool_), jnp.asarray(True)
-    stacked = _and_over_axes(jnp.stack(flags), axis_name)
+    stacked = agree(axis_name, jnp.stack(flags))[0]
     return stacked, stacked.all()
 
 
@@ -423,37 +416,46 @@ def replica_square_sum(sums: Sequence[jax.Array], axis_name: AxisName) -> jax.Ar
     return total
 
 
+def normalized_axis_name(axis_name: Any) -> AxisName:
+    """``axis_name`` as the collectives and a static ``jit`` argument take it: a list of
+    names as a tuple (hashable), anything else as it is."""
+    return tuple(axis_name) if isinstance(axis_name, list) else axis_name
+
+
 def _axis_names(axis_name: AxisName) -> tuple[Any, ...]:
+    """The names in ``axis_name`` (``()`` for ``None``)."""
+    axis_name = normalized_axis_name(axis_name)
     if axis_name is None:
         return ()
     return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
-def agree(flags: jax.Array, squares: jax.Array, axis_name: AxisName,
-          peak: jax.Array | None = None) -> tuple[jax.Array, ...]:
-    """Flags ANDed, and the sum of squares made one value, over the replicas: ONE ``pmin``.
+def agree(axis_name: AxisName, flags: jax.Array | None = None,
+          *maxima: jax.Array) -> tuple[jax.Array, ...]:
+    """The one agreement over replicas: ``flags`` ANDed and each of ``maxima`` the largest
+    over ``axis_name``, in ONE ``pmin``; ``(flags, *maxima)`` (``flags`` None: the maxima).
 
-    ``pmin(-x)`` is ``-pmax(x)``: where JAX does not track what varies (``pmap``,
+    A flag is a min of 0/1 (int32 when alone: no NaN to drop); a maximum is
+    ``-pmin(-x)``, a NaN read as +inf first (with or without replicas): the min of an
+    all-reduce need not propagate NaN (XLA CPU's does not), and a NaN norm or max is then
+    inf on every path and device. Where JAX does not track what varies (``pmap``,
     ``check_vma=False``) the replicas' gradients are taken to be the same, and the largest
-    sum (an inf on one replica reaches all) is the one every replica reports. A NaN sum
-    reads +inf first: the min of an all-reduce need not propagate NaN, and the norm of
-    non-finite gradients is then inf on every path and device. A ``peak`` (the largest
-    |entry|, headroom growth) rides in the same ``pmin``: ``(flags, squares, peak)``.
+    value (an inf on one replica reaches all) is the one every replica reports.
     """
-    maxima = [jnp.where(jnp.isnan(x), jnp.inf, x) for x in (squares, peak) if x is not None]
+    maxima = tuple(jnp.where(jnp.isnan(x), jnp.inf, x) for x in maxima)
+    head = () if flags is None else (flags,)
     if axis_name is None:
-        return (flags, *maxima)
-    every = lax.pmin(jnp.concatenate([flags.astype(jnp.float32), *(-x[None] for x in maxima)]),
-                     axis_name)
-    n = flags.shape[0]
-    return (every[:n] == 1, *(-every[n + i] for i in range(len(maxima))))
-
-
-def replica_max(peak: jax.Array, axis_name: AxisName) -> jax.Array:
-    """The largest float32 ``peak`` over the replicas, a NaN read as +inf: one ``pmin``
-    of ``-peak`` (a max over replicas drops NaN on XLA CPU), as :func:`agree` reads it."""
-    peak = jnp.where(jnp.isnan(peak), jnp.inf, peak)
-    return peak if axis_name is None else -lax.pmin(-peak, axis_name)
+        return (*head, *maxima)
+    if not maxima:
+        assert flags is not None
+        return (lax.pmin(flags.astype(jnp.int32), axis_name) == 1,)
+    if flags is None and len(maxima) == 1:
+        return (-lax.pmin(-maxima[0], axis_name),)
+    n = 0 if flags is None else flags.shape[0]
+    every = lax.pmin(jnp.concatenate(
+        [*(f.astype(jnp.float32) for f in head), *(-x[None] for x in maxima)]), axis_name)
+    return (*((every[:n] == 1,) if flags is not None else ()),
+            *(-every[n + i] for i in range(len(maxima))))
 
 
 def group_peak(x: jax.Array) -> jax.Array:
@@ -464,7 +466,7 @@ def group_peak(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-def _peak(vectors: Sequence[jax.Array]) -> jax.Array:
+def peak_of(vectors: Sequence[jax.Array]) -> jax.Array:
     """The largest :func:`group_peak` of several vectors, float32 (0 for none)."""
     peaks = [group_peak(x) for x in vectors]
     return jnp.max(jnp.stack(peaks)) if peaks else jnp.zeros((), jnp.float32)
@@ -510,8 +512,7 @@ def finite_leaves(grads: Any, inverse: Reciprocal | None, axis_name: AxisName,
     cleared = [jnp.isfinite(x) & small_reciprocal for x in sums]
     # The branch must be the same on every replica: one collective for it and the norm.
     all_cleared, squares = agree(
-        all_rows(jnp.stack(cleared))[None], replica_square_sum(sums, axis_name),
-        axis_name)
+        axis_name, all_rows(jnp.stack(cleared))[None], replica_square_sum(sums, axis_name))
     all_cleared = all_cleared[0]
 
     def exact(_: Any) -> tuple[jax.Array, jax.Array]:
@@ -568,7 +569,7 @@ def _exact_flags(leaves: list[Any], groups: list[LeafGroup], vectors: list[jax.A
     stacked = jnp.concatenate(parts)
     if permutation is not None:
         stacked = stacked[permutation]
-    stacked = _and_over_axes(stacked, axis_name)
+    stacked = agree(axis_name, stacked)[0]
     return stacked, all_rows(stacked)
 
 
@@ -596,9 +597,9 @@ def _exact_test(grads: Any, inverse: Reciprocal | None, axis_name: AxisName,
     squares = replica_square_sum([sum_screen(x) for x in leaves], axis_name)
     flags, _ = unscaled_finite_leaves(grads, inverse, None)
     if with_max:
-        flags, squares, peak = agree(flags, squares, axis_name, _peak(leaves))
+        flags, squares, peak = agree(axis_name, flags, squares, peak_of(leaves))
         return flags, flags.all(), squares, peak
-    flags, squares = agree(flags, squares, axis_name)
+    flags, squares = agree(axis_name, flags, squares)
     return flags, flags.all(), squares, None
 
 
@@ -607,7 +608,7 @@ def _read_max(vectors: list[jax.Array], groups: list[LeafGroup],
     """On CPU: the max |entry| in a pass of its own under a conditional (0 unless
     ``read``), agreed over ``axis_name`` by its own ``pmin`` (NaN-safe)."""
     def read_max(_: Any) -> jax.Array:
-        return replica_max(_peak(vectors), axis_name)
+        return agree(axis_name, None, peak_of(vectors))[0]
 
     if all(group.joined for group in groups):
         # Only small leaves, concatenated: a few small kernels on every step cost less

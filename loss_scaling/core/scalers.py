@@ -16,14 +16,9 @@ import jax.numpy as jnp
 from jax.tree_util import GetAttrKey
 
 from loss_scaling._errors import no_such_method, not_a_scaler, show
-from loss_scaling.core.validation import (
-    DynamicConfig,
-    config_fields,
-    dynamic_config,
-    positive_normal_float32,
-    scale_in_range,
-    scale_range,
-)
+from loss_scaling.core import fields
+from loss_scaling.core.fields import DynamicConfig
+from loss_scaling.core.validation import positive_normal_float32, scale_in_range
 
 __all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", "loss_scale_for"]
 
@@ -157,14 +152,14 @@ class DynamicLossScale:
       2048.0
     """
 
-    __slots__ = ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure",
-                 "grad_max_history", "headroom_tracker", "ceiling", "config", "_names")
+    __slots__ = (*fields.ALL_DYNAMIC_LEAF_NAMES, "config", "_names")
     __setattr__ = __delattr__ = _frozen
     __getattr__ = no_such_method
+    # For the type checker: the leaves of fields.LEAVES (a rule's own are None without it).
     loss_scale: jax.Array
     growth_tracker: jax.Array
     nonfinite_tracker: jax.Array
-    failure: jax.Array
+    failure: jax.Array | None
     grad_max_history: jax.Array | None
     headroom_tracker: jax.Array | None
     ceiling: jax.Array | None
@@ -186,72 +181,63 @@ class DynamicLossScale:
         headroom_dtype: Any = None,
     ) -> None:
         init = positive_normal_float32("init_scale", init_scale)
-        config = dynamic_config(
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            growth=growth,
-            headroom_margin=headroom_margin,
-            headroom_window=headroom_window,
-            headroom_dtype=headroom_dtype,
-        )
+        settings = locals()  # the arguments: every setting (fields.SETTINGS) and the scale
+        config = fields.dynamic_config(**{name: settings[name] for name in fields.SETTING_NAMES})
         scale_in_range("init_scale", init, config)
-        zero = jnp.zeros((), jnp.int32)
-        leaves: tuple[Any, ...] = (jnp.asarray(init, jnp.float32), zero, zero, zero)
-        if config.growth == "headroom":
-            leaves += (jnp.zeros((config.headroom_window,), jnp.float32), zero,
-                       jnp.asarray(scale_range(config)[1], jnp.float32))
-        # Each leaf its own buffer: donating one never deletes another.
-        self._fill(config, tuple(jnp.array(x) for x in leaves))
-
-    def _fill(self, config: DynamicConfig, leaves: tuple[Any, ...]) -> None:
-        names = HEADROOM_LEAVES if len(leaves) == len(HEADROOM_LEAVES) else DYNAMIC_LEAVES
-        object.__setattr__(self, "config", config)
-        object.__setattr__(self, "_names", names)
-        for name in HEADROOM_LEAVES:
-            object.__setattr__(self, name, None)
-        for name, leaf in zip(names, leaves, strict=True):
-            object.__setattr__(self, name, leaf)
-
-    @classmethod
-    def _from_parts(cls, config: DynamicConfig, leaves: tuple[Any, ...]) -> DynamicLossScale:
-        """Rebuilds a state from :data:`DYNAMIC_LEAVES` or :data:`HEADROOM_LEAVES` values
-        without validation (unflatten, serialization after checks)."""
-        self = object.__new__(cls)
-        self._fill(config, tuple(leaves))
-        return self
-
-    def _replace(self, **leaves: Any) -> DynamicLossScale:
-        """This state with the named leaves replaced (no validation)."""
-        unknown = set(leaves) - set(self._names)
-        if unknown:
-            raise ValueError(f"a {self.growth} DynamicLossScale has no leaves {sorted(unknown)}.")
-        return DynamicLossScale._from_parts(
-            self.config, tuple(leaves.get(n, getattr(self, n)) for n in self._names))
+        _fill(self, config, fields.initial_leaves(init, config))
 
     @property
     def leaf_names(self) -> tuple[str, ...]:
         """The names of the leaves, in flattening order."""
         return self._names
 
-    growth_factor = property(lambda self: self.config.growth_factor, doc="Growth multiplier.")
-    backoff_factor = property(lambda self: self.config.backoff_factor, doc="Backoff multiplier.")
-    growth_interval = property(lambda self: self.config.growth_interval,
-                               doc="Clean steps per growth.")
-    hysteresis = property(lambda self: self.config.hysteresis, doc="Non-finite steps per backoff.")
-    min_scale = property(lambda self: self.config.min_scale, doc="Backoff floor, or None.")
-    max_scale = property(lambda self: self.config.max_scale, doc="Growth ceiling, or None.")
-    growth = property(lambda self: "interval" if self.config is None else self.config.growth,
-                      doc="The growth rule, 'interval' or 'headroom'.")
-
     def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self.config, name)!r}"
-                           for name in config_fields(self.config))
+        settings = ", ".join(f"{name}={getattr(self.config, name)!r}"
+                             for name in fields.shown(self.config.growth))
         values = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._names)
-        return f"DynamicLossScale({values}, {fields})"
+        return f"DynamicLossScale({values}, {settings})"
+
+
+def _setting_property(name: str, doc: str) -> property:
+    def get(self: DynamicLossScale) -> Any:
+        return getattr(self.config, name)
+
+    return property(get, doc=doc)
+
+
+for _setting in fields.SETTINGS:  # each setting read through the config, as a property
+    setattr(DynamicLossScale, _setting.name,
+            _setting_property(_setting.name, _setting.metadata["doc"]))
+
+
+def _fill(state: DynamicLossScale, config: DynamicConfig, leaves: tuple[Any, ...]) -> None:
+    alone = len(leaves) == len(fields.dynamic_leaf_names(config.growth))
+    names = fields.dynamic_leaf_names(config.growth, alone)
+    object.__setattr__(state, "config", config)
+    object.__setattr__(state, "_names", names)
+    for name in fields.ALL_DYNAMIC_LEAF_NAMES:
+        object.__setattr__(state, name, None)
+    for name, leaf in zip(names, leaves, strict=True):
+        object.__setattr__(state, name, leaf)
+
+
+def dynamic_from_leaves(config: DynamicConfig, leaves: Any) -> DynamicLossScale:
+    """A ``DynamicLossScale`` of ``config`` holding ``leaves`` (in
+    :func:`fields.dynamic_leaf_names` order, with ``failure`` or without it: a wrapper's),
+    without validation: unflatten, and the checkpoint formats after their own checks."""
+    state = object.__new__(DynamicLossScale)
+    _fill(state, config, tuple(leaves))
+    return state
+
+
+def replace_leaves(state: DynamicLossScale, **leaves: Any) -> DynamicLossScale:
+    """``state`` with the named leaves replaced (no validation)."""
+    unknown = set(leaves) - set(state.leaf_names)
+    if unknown:
+        raise ValueError(f"a {state.config.growth} DynamicLossScale has no leaves "
+                         f"{sorted(unknown)}.")
+    return dynamic_from_leaves(state.config, tuple(leaves.get(n, getattr(state, n))
+                                                   for n in state.leaf_names))
 
 
 # typing.Union rather than `A | B | C`: a types.UnionType's __doc__ is read-only, so the
@@ -312,24 +298,41 @@ def loss_scale_for(compute_dtype: Any, **dynamic_options: Any) -> LossScale:
 
 # ------------------------------------------------------------------ pytree registration
 
-DYNAMIC_LEAVES = ("loss_scale", "growth_tracker", "nonfinite_tracker", "failure")
-"""The leaves of a DynamicLossScale with ``growth="interval"``, in flattening order."""
-HEADROOM_LEAVES = (*DYNAMIC_LEAVES, "grad_max_history", "headroom_tracker", "ceiling")
-"""The leaves of a DynamicLossScale with ``growth="headroom"``, in flattening order."""
-FLOAT_LEAVES = frozenset({"loss_scale", "grad_max_history", "ceiling"})
-"""The float32 leaves of the scalers (the others are int32)."""
+def holds_failure(scaler: Any) -> bool:
+    """Whether ``scaler`` is a ``DynamicLossScale`` with its own ``failure`` leaf (on its
+    own), not one a ``with_loss_scaling`` state holds (whatever the leaf's value: a
+    placeholder may be None)."""
+    return isinstance(scaler, DynamicLossScale) and fields.FAILURE in scaler.leaf_names
+
+
+def without_failure(scaler: LossScale) -> LossScale:
+    """``scaler`` as a ``with_loss_scaling`` state holds it: a ``DynamicLossScale``
+    without its ``failure`` leaf (the wrapper's register is the one); the others as they
+    are. The code goes to the wrapper's register (``wrapper.state.carried_failure``)."""
+    if not holds_failure(scaler):
+        return scaler
+    assert isinstance(scaler, DynamicLossScale)
+    names = fields.dynamic_leaf_names(scaler.config.growth, alone=False)
+    return dynamic_from_leaves(scaler.config, tuple(getattr(scaler, n) for n in names))
+
+
+def with_failure(scaler: LossScale, code: Any) -> LossScale:
+    """``scaler`` on its own, its ``failure`` leaf ``code`` (a ``DynamicLossScale``; the
+    others have none and are returned as they are): what ``get_loss_scale`` returns for a
+    wrapper's scaler, the wrapper's register read into it."""
+    if not isinstance(scaler, DynamicLossScale):
+        return scaler
+    values = {**{n: getattr(scaler, n) for n in scaler.leaf_names}, fields.FAILURE: code}
+    return dynamic_from_leaves(scaler.config, tuple(
+        values[n] for n in fields.dynamic_leaf_names(scaler.config.growth)))
 
 
 def leaf_names(scaler: Any) -> tuple[str, ...]:
     """The leaf names of any scaler, in flattening order (``()`` for NoOpLossScale)."""
     if isinstance(scaler, DynamicLossScale):
         return scaler.leaf_names
-    return ("loss_scale",) if isinstance(scaler, StaticLossScale) else ()
+    return (fields.LOSS_SCALE,) if isinstance(scaler, StaticLossScale) else ()
 
-
-def leaf_ndim(name: str) -> int:
-    """The rank of one scaler leaf as the library builds it (before any replica axes)."""
-    return 1 if name == "grad_max_history" else 0
 
 jax.tree_util.register_pytree_with_keys(
     NoOpLossScale,
@@ -354,9 +357,9 @@ jax.tree_util.register_pytree_with_keys(
 
 jax.tree_util.register_pytree_with_keys(
     DynamicLossScale,
-    lambda s: (tuple((GetAttrKey(n), getattr(s, n)) for n in s._names), s.config),
-    lambda config, children: DynamicLossScale._from_parts(config, tuple(children)),
-    flatten_func=lambda s: (tuple(getattr(s, n) for n in s._names), s.config),
+    lambda s: (tuple((GetAttrKey(n), getattr(s, n)) for n in s.leaf_names), s.config),
+    dynamic_from_leaves,
+    flatten_func=lambda s: (tuple(getattr(s, n) for n in s.leaf_names), s.config),
 )
 
 
@@ -366,7 +369,7 @@ def _unpickle(cls: type, aux: Any, children: tuple[Any, ...]) -> Any:
         return object.__new__(NoOpLossScale)
     if cls is StaticLossScale:
         return _static_unflatten(None, children)
-    return DynamicLossScale._from_parts(aux, children)
+    return dynamic_from_leaves(aux, children)
 
 
 def _pickle_reduce(self: Any) -> tuple[Any, ...]:

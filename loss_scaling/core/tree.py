@@ -15,13 +15,14 @@ import jax.numpy as jnp
 
 from loss_scaling.core.numerics import (
     AxisName,
-    _peak,
-    _per_part,
+    agree,
     compute_dtype,
     floating_leaves,
     is_floating,
+    normalized_axis_name,
+    peak_of,
+    per_part,
     reciprocal,
-    replica_max,
     unscale_tree,
     unscaled_finite_leaves,
 )
@@ -53,7 +54,7 @@ def _times_factor(factor: jax.Array, tree: Any) -> Any:
             return x
         x = jnp.asarray(x)
         compute = compute_dtype(x.dtype)
-        return _per_part(x, lambda part: part.astype(compute) * factor.astype(compute))
+        return per_part(x, lambda part: part.astype(compute) * factor.astype(compute))
 
     return jax.tree.map(leaf, tree)
 
@@ -153,15 +154,14 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
       >>> ls.all_finite({"a": jnp.ones(3), "step": jnp.int32(7), "skip": None})
       Array(True, dtype=bool)
     """
-    axis_name = tuple(axis_name) if isinstance(axis_name, list) else axis_name
-    return _all_finite(tree, axis_name=axis_name)
+    return _all_finite(tree, axis_name=normalized_axis_name(axis_name))
 
 
 @functools.partial(jax.jit, static_argnames="axis_name")
 def _grads_max(tree: Any, axis_name: AxisName) -> jax.Array:
     # A max may drop a NaN (XLA CPU's vectorized max does): the finite test says inf.
     finite = unscaled_finite_leaves(tree, None)[1]
-    return replica_max(jnp.where(finite, _peak(floating_leaves(tree)), jnp.inf), axis_name)
+    return agree(axis_name, None, jnp.where(finite, peak_of(floating_leaves(tree)), jnp.inf))[0]
 
 
 def grads_max(tree: Any, axis_name: AxisName = None) -> jax.Array:
@@ -187,5 +187,4 @@ def grads_max(tree: Any, axis_name: AxisName = None) -> jax.Array:
       >>> ls.grads_max({"w": jnp.array([1.0, jnp.nan, -3.0])})
       Array(inf, dtype=float32)
     """
-    axis_name = tuple(axis_name) if isinstance(axis_name, list) else axis_name
-    return _grads_max(tree, axis_name=axis_name)
+    return _grads_max(tree, axis_name=normalized_axis_name(axis_name))

@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import source_info_util
 
+from loss_scaling import _registry
 from loss_scaling._errors import show
 from loss_scaling.core import scalers, tree
 from loss_scaling.debug import _interpret
@@ -43,7 +43,8 @@ TRACED = (
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """What to run: the user's loss function, its arguments, the scaler, nnx's ``wrt``."""
+    """What to run: the user's loss function, its arguments, the scaler, and the filter of
+    the variables an optimizer of a framework trains (``Hooks.optimizer_wrt``)."""
 
     fn: Callable[..., Any]  # as the user gave it
     has_aux: bool
@@ -76,9 +77,10 @@ def problem(loss_fn: Callable[..., Any], args: tuple[Any, ...], scale: Any,
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(value)):
             raise TypeError(TRACED.format(what=what))
     first = args[0] if args else None
-    held, wrt, nnx = _held_scale(first), None, sys.modules.get("flax.nnx")
-    if nnx is not None and isinstance(first, nnx.Optimizer):
-        wrt, args = first.wrt, args[1:]
+    held = _held_scale(first)
+    wrt = _registry.first_answer(lambda h: h.optimizer_wrt and h.optimizer_wrt(first))
+    if wrt is not None:  # a framework's optimizer: it holds the scale, and says what trains
+        args = args[1:]
     elif held is not None:
         args = args[1:]
     if not args:
@@ -152,24 +154,24 @@ def _names(tree_: Any, keep: Callable[[Any], bool]) -> list[str]:
 
 def _split(p: Problem) -> Split:
     """The differentiated leaves, the other arrays, the static rest and how to rebuild."""
-    first, rest, nnx = p.args[0], p.args[1:], sys.modules.get("flax.nnx")
-    if nnx is not None and nnx.graph.is_graph_node(first):
-        graphdef, diff_state, *other_states = nnx.split(first, p.wrt or nnx.Param, ...)
+    first, rest = p.args[0], p.args[1:]
+    model = _registry.first_answer(lambda h: h.split_model and h.split_model(first, p.wrt))
+    if model is not None:  # a framework's model (Hooks.split_model)
         # Arrays, not the model's Variables: the copy merged inside the trace owns fresh
         # ones, which BatchNorm and Dropout may write (the model is untouched).
-        diff, diff_def = jax.tree.flatten(nnx.as_pure(diff_state))
-        treedef, kinds, leaves = _parts(([nnx.as_pure(o) for o in other_states], rest))
+        diff, diff_def = jax.tree.flatten(model.diff)
+        treedef, kinds, leaves = _parts((model.others, rest))
         statics = tuple(x for k, x in zip(kinds, leaves, strict=True) if k == "static")
         assemble = _assemble(tuple(kinds), statics)
 
-        def nnx_arguments(xs: list[Any], others: list[Any]) -> tuple[Any, ...]:
+        def model_arguments(xs: list[Any], others: list[Any]) -> tuple[Any, ...]:
             states, rest_ = jax.tree.unflatten(treedef, assemble([], others))
-            return (nnx.merge(graphdef, jax.tree.unflatten(diff_def, xs), *states), *rest_)
+            return (model.merge(jax.tree.unflatten(diff_def, xs), states), *rest_)
 
-        static = _hashable(("nnx", graphdef, diff_def, treedef, tuple(kinds), statics))
-        return Split(diff, _names(nnx.as_pure(diff_state), lambda _: True),
+        static = _hashable(("model", model.static, diff_def, treedef, tuple(kinds), statics))
+        return Split(diff, _names(model.diff, lambda _: True),
                      [x for k, x in zip(kinds, leaves, strict=True) if k == "array"],
-                     static, nnx_arguments, _nnx_modules)
+                     static, model_arguments, _registry.modules)
 
     treedef, kinds, leaves = _parts((first, rest))
     n_first = len(jax.tree.leaves(first))
@@ -186,26 +188,7 @@ def _split(p: Problem) -> Split:
     return Split([x for k, x in zip(kinds, leaves, strict=True) if k == "diff"],
                  _names(first, _interpret.is_float),
                  [x for k, x in zip(kinds, leaves, strict=True) if k == "array"],
-                 static, arguments, _eqx_modules)
-
-
-def _nnx_modules(root: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    nnx = sys.modules["flax.nnx"]
-    yield from ((tuple(path), n) for path, n in nnx.iter_graph(root) if isinstance(n, nnx.Module))
-
-
-def _eqx_modules(root: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    eqx = sys.modules.get("equinox")
-    if eqx is None:
-        return
-    if not prefix and isinstance(root, eqx.Module):
-        yield (), root
-    is_child = lambda x: x is not root and isinstance(x, eqx.Module)  # noqa: E731
-    for path, child in jax.tree_util.tree_flatten_with_path(root, is_leaf=is_child)[0]:
-        if isinstance(child, eqx.Module):
-            keys = (*prefix, *(jax.tree_util.keystr((k,), simple=True) for k in path))
-            yield keys, child
-            yield from _eqx_modules(child, keys)
+                 static, arguments, _registry.modules)
 
 
 @contextlib.contextmanager
@@ -389,14 +372,13 @@ def compiled_step(p: Problem) -> CompiledStep:
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _DEMO = os.path.join(_PACKAGE, "demo.py")  # the demo's model is user code
-_FRAMEWORKS = ("flax", "equinox", "optax", "haiku", "chex")
 
 
 def user_frame(eqn: Any) -> Any:
-    """The innermost frame of ``eqn``'s traceback outside JAX, the frameworks (flax,
-    Equinox, optax, ...) and this library: the user's line."""
-    files = (getattr(sys.modules.get(name), "__file__", None) for name in _FRAMEWORKS)
-    skip = (_PACKAGE, *(os.path.dirname(f) + os.sep for f in files if f))
+    """The innermost frame of ``eqn``'s traceback outside JAX, the libraries around it
+    (flax, Equinox, optax, ...: ``_registry.library_dirs``) and this one: the user's
+    line."""
+    skip = (_PACKAGE, *_registry.library_dirs())
     for frame in source_info_util.user_frames(eqn.source_info.traceback):
         if frame.file_name == _DEMO or not frame.file_name.startswith(skip):
             return frame

@@ -5,7 +5,7 @@ Reached as ``loss_scaling.equinox``, imported on first use.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -189,4 +189,22 @@ def _value_and_grad_for(state: Any, args: tuple[Any, ...], kwargs: Any,
             if any_leaf(is_module, [args[i] for i in nums if i < len(args)]) else None)
 
 
-_registry.register("equinox", _registry.Hooks(value_and_grad=_value_and_grad_for))
+def _is_model(x: Any) -> bool:
+    return isinstance(x, eqx.Module)
+
+
+def _modules(root: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """The Equinox Modules in ``root`` (itself: ``()``) by their key paths, for the
+    debugging tools' layer names."""
+    if not prefix and isinstance(root, eqx.Module):
+        yield (), root
+    is_child = lambda x: x is not root and isinstance(x, eqx.Module)  # noqa: E731
+    for path, child in jax.tree_util.tree_flatten_with_path(root, is_leaf=is_child)[0]:
+        if isinstance(child, eqx.Module):
+            keys = (*prefix, *(jax.tree_util.keystr((k,), simple=True) for k in path))
+            yield keys, child
+            yield from _modules(child, keys)
+
+
+_registry.register("equinox", _registry.Hooks(value_and_grad=_value_and_grad_for,
+                                              is_model=_is_model, modules=_modules))

@@ -6,9 +6,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import flax.linen as nn
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
+from loss_scaling import _registry
 from loss_scaling.lookup import refuse_misplaced_wrapper
 from loss_scaling.wrapper import provenance
 from loss_scaling.wrapper.transform import apply_gradients
@@ -87,3 +89,10 @@ class TrainState(train_state.TrainState):
         refuse_misplaced_wrapper(state.opt_state)
         return state
 
+
+def _is_model(x: Any) -> bool:
+    return isinstance(x, nn.Module)
+
+
+# Registered on import: the package root imports this module (flax linen is a dependency).
+_registry.register("flax.linen", _registry.Hooks(is_model=_is_model))

@@ -14,20 +14,26 @@ from flax.nnx.transforms import general  # split_inputs / merge_inputs: nnx.jit'
 
 from loss_scaling import _registry
 from loss_scaling._errors import show
+from loss_scaling.core import fields
 from loss_scaling.core.scalers import (
-    DYNAMIC_LEAVES,
-    HEADROOM_LEAVES,
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
+    dynamic_from_leaves,
+    without_failure,
 )
 from loss_scaling.core.tree import any_leaf
 from loss_scaling.grad import WRONG_FIRST_ARGUMENT, argnums_within, scaled_loss, scaler_of_state
-from loss_scaling.lookup import _get_wrapper_state, get_loss_scale, refuse_misplaced_wrapper
+from loss_scaling.lookup import get_loss_scale, refuse_misplaced_wrapper, wrapper_state
 from loss_scaling.wrapper import provenance
 from loss_scaling.wrapper.placement import wrapper_states_in
-from loss_scaling.wrapper.state import LossScalingState, UnderflowStats, carried_failure
+from loss_scaling.wrapper.state import (
+    LossScalingState,
+    UnderflowStats,
+    carried_failure,
+    is_state_mapping,
+)
 from loss_scaling.wrapper.transform import apply_gradients
 
 __all__ = ["Optimizer", "value_and_grad"]
@@ -231,21 +237,20 @@ def unwrap(x: Any) -> Any:
                         is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
-# Fields that every wrapper state has leaves for, which identify its mapping in an
-# nnx.State (an empty inner state, a NoOp scaler or disabled underflow statistics have
-# none, so nnx.state drops those keys).
-_ALWAYS_PRESENT = frozenset(LossScalingState._fields) - {"scaler", "inner_state", "underflow"}
+NO_CONFIG = (
+    "This nnx.State holds the loss scale's values but not its configuration: a plain flax "
+    "nnx.Optimizer does not keep it in its state (build the optimizer with "
+    "`loss_scaling.nnx.Optimizer`, which does). Pass the optimizer itself instead.")
 
 
 def _from_nnx_state(node: Any) -> Any:
     """Nested mappings with every wrapper state's mapping rebuilt as a LossScalingState.
     ``nnx.state`` drops the scaler's static configuration; ``Optimizer`` keeps it as
-    Variable metadata. Without it (a plain ``nnx.Optimizer``) the config is None:
-    :func:`get_loss_scale` refuses that scaler, :func:`metrics` reads only values."""
+    Variable metadata. Without it (the state of a plain ``nnx.Optimizer``) there is no
+    loss scale to rebuild: a ValueError (:data:`NO_CONFIG`)."""
     if not isinstance(node, Mapping):
         return node
-    keys = set(node)
-    if _ALWAYS_PRESENT <= keys <= set(LossScalingState._fields):
+    if is_state_mapping(node):
         fields = {k: _from_nnx_state(v) for k, v in node.items()}
         fields["scaler"] = _scaler_from_mapping(node.get("scaler", {}))
         if isinstance(fields.get("underflow"), Mapping):
@@ -263,9 +268,11 @@ def _scaler_from_mapping(node: Any) -> LossScale:
     if names == {"loss_scale"}:
         return jax.tree.unflatten(jax.tree.structure(StaticLossScale(1.0)), [node["loss_scale"]])
     metadata: dict[str, Any] = getattr(node.get("loss_scale"), "get_metadata", dict)()
-    config: Any = metadata.get(CONFIG_METADATA)  # None: get_loss_scale refuses it
-    leaves = HEADROOM_LEAVES if "grad_max_history" in node else DYNAMIC_LEAVES
-    return DynamicLossScale._from_parts(config, tuple(node[name] for name in leaves))
+    config: Any = metadata.get(CONFIG_METADATA)
+    if config is None:
+        raise ValueError(NO_CONFIG)
+    return dynamic_from_leaves(config, tuple(node[name] for name in fields.dynamic_leaf_names(
+        config.growth, alone=fields.FAILURE in node)))
 
 
 def replace_scale(state: Any, new: LossScale, path: str | None) -> Any:
@@ -275,13 +282,13 @@ def replace_scale(state: Any, new: LossScale, path: str | None) -> Any:
     if not isinstance(state, nnx.Optimizer) and not any_leaf(is_variable, state):
         return NotImplemented
 
-    target = get_loss_scale(state, path)  # clear errors for none or several
-    wrapper = _get_wrapper_state(state, path)
+    target = without_failure(get_loss_scale(state, path))  # clear errors for none or several
+    wrapper = wrapper_state(state, path)
     # The lookup returns the values the Variables hold: they identify the Variables.
     holder = state.opt_state if isinstance(state, nnx.Optimizer) else state
     variables = jax.tree.leaves(holder, is_leaf=is_variable)
     replace = {}
-    pairs = [*zip(jax.tree.leaves(target), jax.tree.leaves(new), strict=True),
+    pairs = [*zip(jax.tree.leaves(target), jax.tree.leaves(without_failure(new)), strict=True),
              (wrapper.failure, carried_failure(wrapper.failure, new))]
     for old_leaf, new_leaf in pairs:
         owners = [v for v in variables if is_variable(v) and v.get_value() is old_leaf]
@@ -327,6 +334,37 @@ def _owns(tree: Any) -> bool:
     return any_leaf(is_graph_node, tree)
 
 
+# ------------------------------------------------------------- for the debugging tools
+
+
+def _is_model(x: Any) -> bool:
+    return isinstance(x, nnx.Module)
+
+
+def _optimizer_wrt(x: Any) -> Any:
+    """An ``nnx.Optimizer``'s ``wrt`` filter (what it trains); None for anything else."""
+    return x.wrt if isinstance(x, nnx.Optimizer) else None
+
+
+def _split_model(model: Any, wrt: Any) -> _registry.ModelSplit | None:
+    """An nnx graph node as arrays: the ``wrt`` variables (``nnx.Param`` by default) and
+    the rest; merged back into a fresh copy."""
+    if not nnx.graph.is_graph_node(model):
+        return None
+    graphdef, diff_state, *other_states = nnx.split(model, wrt or nnx.Param, ...)
+    return _registry.ModelSplit(
+        nnx.as_pure(diff_state), [nnx.as_pure(o) for o in other_states],
+        lambda diff, others: nnx.merge(graphdef, diff, *others), graphdef)
+
+
+def _modules(root: Any) -> Any:
+    """The nnx Modules of a graph node, by their paths in it (itself: ``()``)."""
+    if nnx.graph.is_graph_node(root):
+        yield from ((tuple(path), n) for path, n in nnx.iter_graph(root)
+                    if isinstance(n, nnx.Module))
+
+
 _registry.register("flax.nnx", _registry.Hooks(
     unwrap=unwrap, replace_scale=replace_scale, value_and_grad=_value_and_grad_for,
-    owns=_owns, autocast=autocast))
+    owns=_owns, autocast=autocast, is_model=_is_model, optimizer_wrt=_optimizer_wrt,
+    split_model=_split_model, modules=_modules))

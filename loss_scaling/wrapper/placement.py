@@ -45,7 +45,7 @@ from typing import Any
 import jax
 import optax
 
-from loss_scaling.wrapper.state import LossScalingState, WrapperOptions
+from loss_scaling.wrapper.state import LossScalingState, options_of
 
 __all__ = ["misplaced_wrapper_reason", "refuse_inside_a_chain", "refuse_not_outermost",
            "wrapper_states_in"]
@@ -269,7 +269,7 @@ def _closure(fn: Any) -> dict[str, Any]:
 def _runs_a_wrapper(fn: Any, depth: int = 16) -> bool:
     """Whether the update function ``fn`` is a wrapper's, or an optax chain's (or shim's)
     holding one."""
-    if isinstance(getattr(fn, "options", None), WrapperOptions):
+    if options_of(fn) is not None:
         return True
     code = getattr(fn, "__code__", None)
     if depth == 0 or code not in (_CHAIN_CODE, _NAMED_CHAIN_CODE, _EXTRA_ARGS_CODE):

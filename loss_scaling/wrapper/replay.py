@@ -35,8 +35,8 @@ from jax import lax
 from loss_scaling._errors import Failure, show
 from loss_scaling.core import tree
 from loss_scaling.core.numerics import skip_cond
-from loss_scaling.core.scalers import DynamicLossScale
-from loss_scaling.core.update import backoff_now
+from loss_scaling.core.scalers import DynamicLossScale, replace_leaves
+from loss_scaling.core.update import backoff_step
 from loss_scaling.wrapper.state import (
     REPLAY_EXTRA_ARG,
     LossScalingState,
@@ -140,15 +140,15 @@ def replay(options: WrapperOptions, state: LossScalingState, params: Any,
 
     def more(carry: tuple[Any, Any]) -> jax.Array:
         last, scaler = carry
-        lowered: DynamicLossScale = backoff_now(scaler)  # type: ignore[assignment]
+        lowered, code = backoff_step(scaler)
         return (~last.grads_finite & last.loss_finite & last.healthy
                 & (last.replays < options.max_replays)
-                & (lowered.failure == Failure.NONE)
-                & (lowered.loss_scale < scaler.loss_scale))
+                & (code == Failure.NONE)
+                & (jnp.asarray(lowered.loss_scale) < scaler.loss_scale))
 
     def again(carry: tuple[Any, Any]) -> tuple[Any, Any]:
         last, scaler = carry
-        scaler = backoff_now(scaler)
+        scaler = backoff_step(scaler)[0]
         loss, grads = scaled_value_and_grad(value_fn, scaler, params, first_grads)
         extra = {**extra_args, "loss": loss}
         if extra_args.get("grad") is not None:
@@ -193,7 +193,7 @@ def no_growth_after(replays: jax.Array, backed_off: Any, stepped: Any) -> Any:
     """
     grew = jnp.asarray(stepped.loss_scale) > jnp.asarray(backed_off.loss_scale)
     return optax.tree.where(
-        (replays > 0) & grew, stepped._replace(loss_scale=backed_off.loss_scale), stepped)
+        (replays > 0) & grew, replace_leaves(stepped, loss_scale=backed_off.loss_scale), stepped)
 
 
 def saturating_add(counter: jax.Array, amount: jax.Array) -> jax.Array:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -13,10 +14,9 @@ import optax
 
 from loss_scaling import _errors
 from loss_scaling._deprecation import LAST_STEP_FINITE
-from loss_scaling._errors import Failure
 from loss_scaling.core.numerics import AxisName
-from loss_scaling.core.scalers import LossScale
-from loss_scaling.core.update import OnFailure, scaler_failure_message
+from loss_scaling.core.scalers import LossScale, with_failure, without_failure
+from loss_scaling.core.update import OnFailure
 
 SkipMode = Literal["auto", "cond", "select"]
 NonFiniteLoss = Literal["backoff", "skip"]
@@ -40,7 +40,9 @@ class LossScalingState(NamedTuple):
 
     Attributes:
       scaler: the loss-scale state (``NoOpLossScale``, ``StaticLossScale`` or
-        ``DynamicLossScale``) that scales the *next* step's loss.
+        ``DynamicLossScale``) that scales the *next* step's loss. A ``DynamicLossScale``
+        here has no ``failure`` leaf: ``failure`` below is the one register
+        (:func:`loss_scaling.get_loss_scale` returns the scaler with it).
       inner_state: the wrapped optimizer's state; unchanged by skipped steps.
       skipped_steps: int32, steps skipped in total (saturating).
       consecutive_skips: int32, steps skipped since the last applied one (saturating):
@@ -107,6 +109,21 @@ class LossScalingState(NamedTuple):
         return self.last_step_applied
 
 
+MAY_HOLD_NO_LEAVES = frozenset({"scaler", "inner_state", "underflow"})
+"""The fields of :class:`LossScalingState` that can hold no leaves (a ``NoOpLossScale``,
+an empty inner state, no underflow statistics): a mapping of the state's fields, as an
+``nnx.State`` holds it, drops them."""
+ALWAYS_PRESENT = frozenset(LossScalingState._fields) - MAY_HOLD_NO_LEAVES
+"""The fields that always hold leaves, whatever the options."""
+
+
+def is_state_mapping(node: Any) -> bool:
+    """Whether ``node`` is a wrapper state as an ``nnx.State`` holds it: a mapping of its
+    fields, those without leaves dropped (:data:`MAY_HOLD_NO_LEAVES`)."""
+    return isinstance(node, Mapping) and ALWAYS_PRESENT <= set(node) <= set(
+        LossScalingState._fields)
+
+
 class UnderflowStats(NamedTuple):
     """Per gradient leaf, how much of the last step's gradient float16 could not hold.
 
@@ -131,8 +148,6 @@ class UnderflowStats(NamedTuple):
 SUSPICIOUS_GROWTHS = 20
 """Growths in a row without an overflow after which the scale is suspicious (2**20 up)."""
 
-_F16_TINY = float(np.finfo(np.float16).tiny)
-_BELOW_F16_TINY = float(np.nextafter(np.float32(_F16_TINY), np.float32(0)))
 
 # The fix both warnings about narrow params give.
 _MASTER_PARAMS = ("Keep float32 master params and compute in {dtype} inside the loss function "
@@ -158,16 +173,6 @@ NO_ZERO_PARAMS = (
 )
 
 
-def _fresh(scaler: LossScale) -> LossScale:
-    # New buffers: donating an opt_state must never delete arrays the caller's scaler holds.
-    return jax.tree.map(lambda x: jnp.array(x, copy=True), scaler)
-
-
-def _count(counter: jax.Array, reset_when: jax.Array, reset: bool) -> jax.Array:
-    stepped = optax.safe_increment(counter)
-    return jnp.where(reset_when, jnp.zeros_like(counter) if reset else counter, stepped)
-
-
 class WrapperOptions(NamedTuple):
     """The wrapper's settings, shared by ``update`` and the fused :func:`apply_gradients`."""
 
@@ -182,12 +187,34 @@ class WrapperOptions(NamedTuple):
     max_nonfinite_losses: int | None = None
 
 
+def attach_options(update: Any, options: WrapperOptions, initial_scaler: LossScale) -> None:
+    """Sets the options on the wrapper's ``update`` function, where the fused path
+    (:func:`options_of`) and the placement checks find them; on the function, so that a
+    transformation rebuilt around ``tx.init`` / ``tx.update``
+    (``GradientTransformationExtraArgs(tx.init, tx.update)``) keeps them. The scaler given
+    to ``with_loss_scaling`` goes with them (the provenance checks compare with it)."""
+    update.options = options
+    update.initial_scaler = initial_scaler
+
+
+def options_of(update: Any) -> WrapperOptions | None:
+    """The options of a wrapper's ``update`` function (:func:`attach_options`); ``None``
+    for any other function."""
+    options = getattr(update, "options", None)
+    return options if isinstance(options, WrapperOptions) else None
+
+
+def initial_scaler_of(update: Any) -> LossScale | None:
+    """The scaler given to the ``with_loss_scaling`` whose ``update`` this is, or None."""
+    return getattr(update, "initial_scaler", None) if options_of(update) else None
+
+
 def initial_state(scaler: LossScale, inner_state: Any, n_grads: int,
                   underflow_diagnostics: bool) -> LossScalingState:
     """The state ``init`` returns: every leaf with an explicit dtype; a failed scaler
     (restored from its state dict) fails the wrapper."""
     return LossScalingState(
-        scaler=scaler,
+        scaler=without_failure(scaler),  # its code in the state's one register
         inner_state=inner_state,
         skipped_steps=jnp.zeros((), jnp.int32),
         consecutive_skips=jnp.zeros((), jnp.int32),
@@ -208,12 +235,20 @@ def initial_state(scaler: LossScale, inner_state: Any, n_grads: int,
 
 
 def carried_failure(failure: jax.Array, new: LossScale) -> jax.Array:
-    """The wrapper's failure register once ``new`` is its scaler (``init``,
-    ``restore_loss_scale``): a failed run stays failed, and a failed scaler fails it."""
+    """The wrapper's failure register once ``new``, a scaler on its own, is its scaler
+    (``init``, ``restore_loss_scale``; held as :func:`without_failure`): a failed run
+    stays failed, and a failed scaler fails it."""
     code = getattr(new, "failure", None)
     if code is None:
         return failure
     return jnp.where(failure != 0, failure, jnp.asarray(code, jnp.int32)).astype(jnp.int32)
+
+
+def scaler_alone(state: LossScalingState) -> LossScale:
+    """The wrapper's scaler as a state on its own (what ``get_loss_scale`` returns): a
+    ``DynamicLossScale`` with the wrapper's register as its ``failure``, so that its
+    state dict and ``ls.check`` say a failed run failed (its arrays: the state's own)."""
+    return with_failure(state.scaler, state.failure)
 
 
 def differentiated(params: Any) -> Any:
@@ -227,7 +262,7 @@ def _has_zero(dtype: Any) -> bool:
     return bool(np.asarray(0.0, np.float32).astype(dtype).astype(np.float32) == 0)
 
 
-def _refuse_dtypes_without_zero(params: Any) -> None:
+def refuse_dtypes_without_zero(params: Any) -> None:
     """Host side, at ``init``: float params in a dtype without a zero cannot be skipped."""
     for name, leaf in zip(key_path_names(params), jax.tree.leaves(params), strict=True):
         dtype = getattr(leaf, "dtype", None)
@@ -235,7 +270,7 @@ def _refuse_dtypes_without_zero(params: Any) -> None:
             raise TypeError(NO_ZERO_PARAMS.format(leaf=name, dtype=jnp.dtype(dtype).name))
 
 
-def _warn_low_precision_state(params: Any, inner_state: Any) -> None:
+def warn_low_precision_state(params: Any, inner_state: Any) -> None:
     """Host side, once at ``init``: narrow float params whose optimizer state is as narrow,
     and float16 or bfloat16 params (a :class:`loss_scaling.LossScaleWarning` each)."""
     def narrow(x: Any) -> bool:
@@ -264,25 +299,19 @@ def _warn_low_precision_state(params: Any, inner_state: Any) -> None:
 
 
 def wrapper_failure_message(state: LossScalingState, names: list[str] | None = None) -> str:
-    """The host-side message for a failed wrapper state (concrete, one replica).
+    """The host-side message for a failed wrapper state (concrete, one replica):
+    :func:`loss_scaling._errors.failure_message` of its register, with its count.
 
     ``names`` names the gradient leaves (:func:`key_path_names` of the params or gradients);
     without them, leaves are named by their index in ``jax.tree.leaves`` order.
     """
-    code = Failure(int(np.asarray(state.failure)))
-    if code == Failure.TOO_MANY_SKIPS:
-        flags = np.asarray(state.nonfinite_grads).reshape(-1)
-        if names is None or len(names) != flags.size:
-            names = [f"leaf #{i}" for i in range(flags.size)]
-        return _errors.too_many_skips_message(
-            state.failure_skips, jnp.asarray(state.scaler.loss_scale),
-            [name for name, bad in zip(names, flags, strict=True) if bad])
-    if code == Failure.NONFINITE_LOSS:
-        return _errors.nonfinite_loss_message(state.failure_skips,
-                                              jnp.asarray(state.scaler.loss_scale))
-    if code == Failure.BACKOFF_UNDERFLOW:
-        return scaler_failure_message(state.scaler)  # type: ignore[arg-type]
-    return _errors.invalid_scale_message(jnp.asarray(state.scaler.loss_scale))
+    flags = np.asarray(state.nonfinite_grads).reshape(-1)
+    if names is None or len(names) != flags.size:
+        names = [f"leaf #{i}" for i in range(flags.size)]
+    return _errors.failure_message(
+        state.failure, scale=state.scaler.loss_scale, count=state.failure_skips,
+        backoff_factor=getattr(getattr(state.scaler, "config", None), "backoff_factor", None),
+        leaves=[name for name, bad in zip(names, flags, strict=True) if bad])
 
 
 def key_path_names(tree: Any) -> list[str]:

@@ -1,8 +1,8 @@
 """The Optax wrapper and its one guarded step, in the order it runs.
 
-:func:`with_loss_scaling` sets its :class:`WrapperOptions` on ``tx.update`` (so a
-transformation rebuilt around ``tx.init`` / ``tx.update`` keeps them), where
-:func:`apply_gradients` finds them to run the step fused. Both paths call
+:func:`with_loss_scaling` sets its :class:`WrapperOptions` on ``tx.update``
+(:func:`~loss_scaling.wrapper.state.attach_options`), where :func:`apply_gradients` finds
+them to run the step fused. Both paths call
 :func:`guarded_step`: :func:`decide` (the one read of the gradients), replay (only with
 ``max_replays``), :func:`_inner_step` under one ``lax.cond`` or select, and
 :func:`_next_state`, always, last (docs/architecture.md, "One step, in order").
@@ -17,11 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from loss_scaling import _errors
 from loss_scaling._errors import Failure
-from loss_scaling.core import numerics, validation
+from loss_scaling.core import headroom, numerics, validation
 from loss_scaling.core.numerics import AxisName, finite_leaves, skip_cond
 from loss_scaling.core.scalers import (
     SCALER_TYPES,
@@ -33,7 +32,6 @@ from loss_scaling.core.scalers import (
 from loss_scaling.core.update import (
     OnFailure,
     is_positive_normal,
-    records_max,
     resolve_on_failure,
     step_recorded,
 )
@@ -44,7 +42,6 @@ from loss_scaling.wrapper.placement import (
     wrapper_states_in,
 )
 from loss_scaling.wrapper.state import (
-    _BELOW_F16_TINY,
     CONSUMED_EXTRA_ARGS,
     GRADIENT_EXTRA_ARGS,
     MAX_NONFINITE_LOSSES,
@@ -55,25 +52,30 @@ from loss_scaling.wrapper.state import (
     SkipMode,
     UnderflowStats,
     WrapperOptions,
-    _count,
-    _fresh,
-    _refuse_dtypes_without_zero,
-    _warn_low_precision_state,
+    attach_options,
     differentiated,
+    initial_scaler_of,
     initial_state,
     key_path_names,
+    options_of,
+    refuse_dtypes_without_zero,
+    warn_low_precision_state,
     wrapper_failure_message,
 )
 
-__all__ = ["LossScalingTransformation", "apply_gradients", "with_loss_scaling"]
+__all__ = ["apply_gradients", "with_loss_scaling"]
+
+_BELOW_F16_TINY = float(np.nextafter(np.float32(np.finfo(np.float16).tiny), np.float32(0)))
 
 
-class LossScalingTransformation(optax.GradientTransformationExtraArgs):
-    """The ``GradientTransformationExtraArgs`` :func:`with_loss_scaling` returns: an
-    ordinary optax transformation that also carries the options of the fused path."""
+def _fresh(scaler: LossScale) -> LossScale:
+    # New buffers: donating an opt_state must never delete arrays the caller's scaler holds.
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), scaler)
 
-    # Set per instance: a NamedTuple subclass without __slots__ has a __dict__.
-    options: WrapperOptions
+
+def _count(counter: jax.Array, reset_when: jax.Array, reset: bool) -> jax.Array:
+    stepped = optax.safe_increment(counter)
+    return jnp.where(reset_when, jnp.zeros_like(counter) if reset else counter, stepped)
 
 
 def with_loss_scaling(
@@ -88,7 +90,7 @@ def with_loss_scaling(
     underflow_diagnostics: bool = False,
     max_replays: int = 0,
     max_nonfinite_losses: int | None = MAX_NONFINITE_LOSSES,
-) -> LossScalingTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` so that it takes gradients of the scaled loss and skips bad steps.
 
     Each update unscales the gradients by the factor that scaled this step's loss, checks
@@ -136,7 +138,8 @@ def with_loss_scaling(
         into steps given a ``loss=``.
 
     Returns:
-      A :class:`LossScalingTransformation` (an ``optax.GradientTransformationExtraArgs``).
+      An ``optax.GradientTransformationExtraArgs``; :func:`apply_gradients` and the
+      integrations run its update fused.
 
     Raises:
       ValueError: for an invalid option; from ``update``, with replay on and no
@@ -182,8 +185,7 @@ def with_loss_scaling(
     if scaler is None:
         scaler = DynamicLossScale()
     require_scaler("scaler", scaler)
-    if isinstance(axis_name, list):
-        axis_name = tuple(axis_name)
+    axis_name = numerics.normalized_axis_name(axis_name)
     inner = optax.with_extra_args_support(inner)
     initial_scaler = scaler
     options = WrapperOptions(
@@ -193,9 +195,9 @@ def with_loss_scaling(
         max_nonfinite_losses=max_nonfinite_losses)
 
     def init_fn(params: optax.Params) -> LossScalingState:
-        _refuse_dtypes_without_zero(params)
+        refuse_dtypes_without_zero(params)
         inner_state = inner.init(params)
-        _warn_low_precision_state(params, inner_state)
+        warn_low_precision_state(params, inner_state)
         return initial_state(_fresh(initial_scaler), inner_state,
                              len(jax.tree.leaves(differentiated(params))),
                              bool(underflow_diagnostics))
@@ -212,13 +214,8 @@ def with_loss_scaling(
                       initial_scaler)
         return guarded_step(options, updates, state, params, extra_args, fused=False)
 
-    # On the update function too: a transformation rebuilt around it
-    # (`GradientTransformationExtraArgs(tx.init, tx.update)`) keeps the fused path.
-    update_fn.options = options  # type: ignore[attr-defined]
-    update_fn.initial_scaler = initial_scaler  # type: ignore[attr-defined]
-    tx = LossScalingTransformation(init_fn, update_fn)
-    tx.options = options
-    return tx
+    attach_options(update_fn, options, initial_scaler)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def apply_gradients(
@@ -266,11 +263,11 @@ def apply_gradients(
       >>> params
       Array([ 0.5, -2.5], dtype=float32)
     """
-    options = getattr(getattr(tx, "update", None), "options", None)
-    if isinstance(options, WrapperOptions):
+    options = options_of(getattr(tx, "update", None))
+    if options is not None:
         call = "ls.apply_gradients(tx, grads, opt_state, params)"
         refuse_other_state(opt_state, call)
-        _check_scaled(grads, opt_state, params, call, getattr(tx.update, "initial_scaler", None))
+        _check_scaled(grads, opt_state, params, call, initial_scaler_of(tx.update))
         return guarded_step(options, grads, opt_state, params, extra_args, fused=True)
     if isinstance(opt_state, LossScalingState):
         raise TypeError(NOT_THE_WRAPPER.format(what=_errors.show(tx, type_only=True)))
@@ -352,9 +349,7 @@ def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
             "diagnostics from the params given to `init`): pass gradients with the structure "
             "of the params the state was initialised with.")
     inverse = _reciprocal(state.scaler)
-    scaler = state.scaler
-    measure = (records_max(scaler) if isinstance(scaler, DynamicLossScale)
-               and scaler.growth == "headroom" else None)
+    measure = headroom.measures(state.scaler)
     leaf_finite, grads_finite, squares, grads_max = finite_leaves(
         grads, inverse, options.axis_name, measure)
     grad_norm = jnp.sqrt(squares)
@@ -367,9 +362,7 @@ def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
     loss = extra_args.get("loss")
     loss_finite = jnp.asarray(True)
     if loss is not None:
-        loss_finite = jnp.isfinite(jnp.asarray(loss)).all()
-        if options.axis_name is not None:
-            loss_finite = lax.pmin(loss_finite.astype(jnp.int32), options.axis_name) == 1
+        loss_finite = numerics.agree(options.axis_name, jnp.isfinite(jnp.asarray(loss)).all())[0]
     healthy = state.failure == Failure.NONE
     valid_scale = jnp.asarray(True)
     if inverse is not None:
@@ -439,23 +432,27 @@ def _in_dtypes_of(new_state: Any, old_state: Any) -> Any:
 def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: Any,
                 decision: StepDecision, loss_given: bool) -> LossScalingState:
     applied = decision.apply
+    healthy = state.failure == Failure.NONE  # what the rule's own register said
     if options.nonfinite_loss == "skip":
         # The forward pass, not the scale, made the loss non-finite: leave the scale be.
         # Eagerly too: a backoff discarded here must not raise (as under jit).
-        stepped_scaler = _stepped_scaler(state.scaler, decision.grads_finite,
-                                         decision.grads_max, decision.valid_scale)
+        stepped_scaler, code = _stepped_scaler(state.scaler, decision.grads_finite,
+                                               decision.grads_max, decision.valid_scale,
+                                               healthy)
         stepped_scaler = optax.tree.where(decision.loss_finite, stepped_scaler, state.scaler)
+        code = jnp.where(decision.loss_finite, code, state.failure)
     else:
-        stepped_scaler = _stepped_scaler(state.scaler,
-                                         decision.grads_finite & decision.loss_finite,
-                                         decision.grads_max, decision.valid_scale)
+        stepped_scaler, code = _stepped_scaler(state.scaler,
+                                               decision.grads_finite & decision.loss_finite,
+                                               decision.grads_max, decision.valid_scale,
+                                               healthy)
     if replay.enabled(options, state):
         stepped_scaler = replay.no_growth_after(decision.replays, state.scaler, stepped_scaler)
     consecutive_skips = _count(state.consecutive_skips, applied, reset=True)
     nonfinite_losses = _count(state.consecutive_nonfinite_losses, decision.loss_finite,
                               reset=True)
 
-    failure, fails, new_scaler = _next_failure(options, state, stepped_scaler,
+    failure, fails, new_scaler = _next_failure(options, state, stepped_scaler, code,
                                                consecutive_skips, nonfinite_losses, decision,
                                                loss_given)
 
@@ -495,26 +492,26 @@ def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: A
 
 
 def _stepped_scaler(scaler: LossScale, finite: jax.Array, grads_max: jax.Array | None,
-                    valid: jax.Array) -> LossScale:
-    """The scaler's next state, a failure recorded but never raised (eager included): the
-    wrapper decides whether the step counts (``nonfinite_loss="skip"``) and raises itself
+                    valid: jax.Array, healthy: jax.Array) -> tuple[LossScale, jax.Array]:
+    """The scaler's next state and the failure code its rule leaves, a failure recorded
+    but never raised (eager included): the wrapper decides whether the step counts
+    (``nonfinite_loss="skip"``), keeps the code in its register and raises itself
     (:func:`_report`)."""
     if isinstance(scaler, DynamicLossScale):
-        return step_recorded(scaler, finite, grads_max=grads_max, valid=valid)
-    return scaler
+        return step_recorded(scaler, finite, grads_max=grads_max, valid=valid,
+                             healthy=healthy)
+    return scaler, jnp.zeros((), jnp.int32)
 
 
 def _next_failure(options: WrapperOptions, state: LossScalingState, stepped_scaler: LossScale,
-                  consecutive_skips: jax.Array, nonfinite_losses: jax.Array,
+                  code: jax.Array, consecutive_skips: jax.Array, nonfinite_losses: jax.Array,
                   decision: StepDecision,
                   loss_given: bool) -> tuple[jax.Array, jax.Array, LossScale]:
-    """The failure code after this step, whether it is new, and the scaler to keep: the
-    first failure wins and freezes the scaler. A dynamic scaler's own ``failure`` is
-    written from the wrapper's register, so that its state dict carries a
-    ``TOO_MANY_SKIPS`` too (``carried_failure``)."""
+    """The failure code after this step (the one register: the rule's ``code``, an
+    invalid scale, too many skips, too many non-finite losses), whether it is new, and
+    the scaler to keep: the first failure wins and freezes the scaler."""
     failed_before = state.failure != Failure.NONE
-    failure = getattr(stepped_scaler, "failure", jnp.int32(Failure.NONE))
-    failure = jnp.where(decision.valid_scale, failure, Failure.INVALID_SCALE)
+    failure = jnp.where(decision.valid_scale, code, Failure.INVALID_SCALE)
     if options.max_consecutive_skips is not None:
         failure = jnp.where(
             (failure == Failure.NONE) & (consecutive_skips >= options.max_consecutive_skips),
@@ -527,8 +524,6 @@ def _next_failure(options: WrapperOptions, state: LossScalingState, stepped_scal
     failure = jnp.where(failed_before, state.failure, failure).astype(jnp.int32)
     fails = ~failed_before & (failure != Failure.NONE)
     new_scaler = optax.tree.where(failed_before, state.scaler, stepped_scaler)
-    if isinstance(new_scaler, DynamicLossScale):
-        new_scaler = new_scaler._replace(failure=failure)
     return failure, fails, new_scaler
 
 
@@ -616,7 +611,7 @@ def _refuse_other_inner(inner: Any) -> None:
     """A ``TypeError`` naming ``inner`` and the fix: the loss scale first, the optimizer's
     factory uncalled, or a wrapper wrapped again; otherwise fail later as a missing
     ``init``."""
-    if isinstance(getattr(getattr(inner, "update", None), "options", None), WrapperOptions):
+    if options_of(getattr(inner, "update", None)) is not None:
         raise TypeError(WRAPPED_TWICE)
     if callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None)):
         return
