@@ -589,17 +589,23 @@ def undefined_owned(path: str, cell: str) -> list[str]:
             if item != name and not defines(name, item)]
 
 
-@pytest.mark.parametrize("row", MODULE_ROWS, ids=lambda r: ticked(r["module"])[0])
-def test_each_name_an_owns_cell_ticks_is_defined_in_that_module(row):
+# The rules below check every row, layer or README in one test (not one test each): the
+# quick subset runs one parametrization per test function, and a drift must show there.
+
+
+def report(failures: dict[str, Any], what: str) -> None:
+    """Fails with one line per row, layer or file that breaks the rule ``what``."""
+    assert not failures, f"{what}:\n" + "\n".join(f"  {k}: {v}" for k, v in failures.items())
+
+
+def test_each_name_an_owns_cell_ticks_is_defined_in_that_module():
     """A ticked name in the "owns" column is the module's own: a top-level name, a
     ``Class.member``, or a package's re-export. Other things are written without ticks."""
-    path = ticked(row["module"])[0]
-    if path not in BY_PATH:
-        pytest.fail(f"{path}: no such module (stale row)")
-    missing = undefined_owned(path, row["owns"])
-    assert not missing, (f"{path} does not define {missing}, which its 'owns' cell ticks: "
-                         "move the row's words to the module that defines them, or untick "
-                         "what is not a name of this module")
+    rows = {ticked(row["module"])[0]: row["owns"] for row in MODULE_ROWS}
+    report({path: missing for path, cell in rows.items() if path in BY_PATH
+            and (missing := undefined_owned(path, cell))},
+           "names an 'owns' cell ticks that its module does not define (move the words to "
+           "the module that defines them, or untick what is not a name of this module)")
 
 
 def test_the_owns_rule_reads_the_real_modules():
@@ -859,15 +865,13 @@ def _is_docstring(node: ast.stmt) -> bool:
         and isinstance(node.value.value, str)
 
 
-@pytest.mark.parametrize("row", MODULE_ROWS, ids=lambda r: ticked(r["module"])[0])
-def test_each_named_test_file_exercises_its_module(row):
-    path = ticked(row["module"])[0]
-    if path not in BY_PATH:
-        pytest.fail(f"{path}: no such module (stale row)")
-    idle = [f for f in named_tests(row)
-            if (TESTS / f).is_file() and not exercises(TESTS / f, BY_PATH[path])]
-    assert not idle, (f"{path}: these test files neither call a name it defines nor quote "
-                      f"a message it writes: {idle}")
+def test_each_named_test_file_exercises_its_module():
+    idle = {path: files for row in MODULE_ROWS
+            if (path := ticked(row["module"])[0]) in BY_PATH
+            and (files := [f for f in named_tests(row) if (TESTS / f).is_file()
+                           and not exercises(TESTS / f, BY_PATH[path])])}
+    report(idle, "test files named in the tests column that neither call a name of the "
+                 "module nor quote a message only it writes")
 
 
 def test_the_exercise_rule_is_not_fooled():
@@ -912,38 +916,48 @@ def test_every_import_and_lookup_is_one_the_test_can_read():
     assert not unknown, unknown
 
 
-@pytest.mark.parametrize("layer", sorted(LAYERS))
-def test_at_import_time_a_layer_imports_only_its_own_layer_and_those_it_may(layer):
-    allowed = {layer, *LAYERS[layer].may_import}
-    assert members(layer), f"layer {layer} has no module"
-    offenders = [f"{module_path(n)} imports {module_path(m)} (layer {layer_of(m)})"
-                 for n in members(layer) for m in sorted(internal(n, first_use=False))
-                 if layer_of(m) not in allowed]
-    assert not offenders, f"layer {layer} may import {sorted(allowed)}: {offenders}"
+def per_layer(offenders_of: Any) -> dict[str, list[str]]:
+    """``{layer: offenders}`` for the layers with any."""
+    return {layer: found for layer in sorted(LAYERS) if (found := offenders_of(layer))}
 
 
-@pytest.mark.parametrize("layer", sorted(LAYERS))
-def test_on_first_use_a_layer_reaches_only_the_layers_it_names(layer):
+def test_at_import_time_a_layer_imports_only_its_own_layer_and_those_it_may():
+    assert not [layer for layer in LAYERS if not members(layer)], "layers without a module"
+
+    def offenders(layer: str) -> list[str]:
+        allowed = {layer, *LAYERS[layer].may_import}
+        return [f"{module_path(n)} imports {module_path(m)} (layer {layer_of(m)})"
+                for n in members(layer) for m in sorted(internal(n, first_use=False))
+                if layer_of(m) not in allowed]
+
+    report(per_layer(offenders), "imports at import time outside 'may import'")
+
+
+def test_on_first_use_a_layer_reaches_only_the_layers_it_names():
     """Imports inside functions, ``importlib.import_module`` and ``sys.modules`` lookups:
     the "may import" layers and the "on first use" ones."""
-    allowed = {layer, *LAYERS[layer].may_import, *LAYERS[layer].on_first_use}
-    offenders = [f"{module_path(n)}:{r.line} reaches {module_path(m)} (layer {layer_of(m)}, "
-                 f"{r.how})" for n in members(layer) for r in reaches_of(n)[0]
-                 if r.first_use and r.target.split(".")[0] == "loss_scaling"
-                 and (m := module_of(r.target)) not in (None, n) and layer_of(m) not in allowed]
-    assert not offenders, f"layer {layer} reaches only {sorted(allowed)}: {offenders}"
+    def offenders(layer: str) -> list[str]:
+        allowed = {layer, *LAYERS[layer].may_import, *LAYERS[layer].on_first_use}
+        return [f"{module_path(n)}:{r.line} reaches {module_path(m)} (layer {layer_of(m)}, "
+                f"{r.how})" for n in members(layer) for r in reaches_of(n)[0]
+                if r.first_use and r.target.split(".")[0] == "loss_scaling"
+                and (m := module_of(r.target)) not in (None, n) and layer_of(m) not in allowed]
+
+    report(per_layer(offenders), "reaches inside functions outside 'may import' and 'on "
+                                 "first use'")
 
 
-@pytest.mark.parametrize("layer", sorted(LAYERS))
-def test_a_layer_reaches_only_the_frameworks_it_names(layer):
+def test_a_layer_reaches_only_the_frameworks_it_names():
     """Anything outside the package, the standard library and the page's dependencies is a
     framework (``flax.struct`` too), reached by an import anywhere in a module or a
     ``sys.modules`` lookup."""
-    allowed = LAYERS[layer].frameworks
-    offenders = [f"{module_path(n)}:{r.line} reaches {r.target} ({r.how})"
-                 for n in members(layer) for r in reaches_of(n)[0]
-                 if r.target in frameworks(n) and not covered(r.target, allowed)]
-    assert not offenders, f"layer {layer} may reach {list(allowed)} only: {offenders}"
+    def offenders(layer: str) -> list[str]:
+        return [f"{module_path(n)}:{r.line} reaches {r.target} ({r.how})"
+                for n in members(layer) for r in reaches_of(n)[0]
+                if r.target in frameworks(n) and not covered(r.target, LAYERS[layer].frameworks)]
+
+    report(per_layer(offenders), "frameworks a layer reaches but its 'frameworks' column "
+                                 "does not name")
 
 
 def imported_at_import_time(name: str) -> set[str]:
@@ -957,15 +971,17 @@ def imported_at_import_time(name: str) -> set[str]:
     return seen
 
 
-@pytest.mark.parametrize("layer", sorted(LAYERS))
-def test_importing_a_layer_imports_only_the_frameworks_it_names(layer):
+def test_importing_a_layer_imports_only_the_frameworks_it_names():
     """Through the modules it imports at import time: the root imports flax linen (through
     ``integrations/linen.py``), never flax.nnx, Equinox or Orbax."""
-    allowed = LAYERS[layer].frameworks
-    offenders = sorted({f"{module_path(n)} -> {module_path(m)} imports {f}"
-                        for n in members(layer) for m in imported_at_import_time(n)
-                        for f in frameworks(m, first_use=False) if not covered(f, allowed)})
-    assert not offenders, f"layer {layer} may import {list(allowed)} only: {offenders}"
+    def offenders(layer: str) -> list[str]:
+        return sorted({f"{module_path(n)} -> {module_path(m)} imports {f}"
+                       for n in members(layer) for m in imported_at_import_time(n)
+                       for f in frameworks(m, first_use=False)
+                       if not covered(f, LAYERS[layer].frameworks)})
+
+    report(per_layer(offenders), "frameworks that importing a layer imports, which its "
+                                 "'frameworks' column does not name")
 
 
 def test_the_framework_rule_reads_the_page_not_a_list():
@@ -991,17 +1007,19 @@ def test_the_registry_lists_the_integrations_layer():
         assert covered(framework, LAYERS["integrations"].frameworks), framework
 
 
-@pytest.mark.parametrize("name", members("aliases") if "aliases" in LAYERS else [])
-def test_an_alias_is_a_thin_re_export(name):
+def test_an_alias_is_a_thin_re_export():
     """The aliases (`nnx.py`, `equinox.py`, `orbax.py`: the public paths of integrations):
     a docstring, imports from their layer's ``may import`` and ``__all__``, nothing else."""
-    body = [n for n in MODULES[name].body if not _is_docstring(n)]
-    imported = sorted(a.asname or a.name for n in body if isinstance(n, ast.ImportFrom)
-                      for a in n.names)
-    rest = [n for n in body if not isinstance(n, ast.ImportFrom)]
-    assert len(rest) == 1 and ast.unparse(rest[0]).startswith("__all__ ="), (
-        f"{module_path(name)} holds more than re-exports: {[ast.unparse(n)[:60] for n in rest]}")
-    assert sorted(ast.literal_eval(rest[0].value)) == imported
+    assert members("aliases")
+    for name in members("aliases"):
+        body = [n for n in MODULES[name].body if not _is_docstring(n)]
+        imported = sorted(a.asname or a.name for n in body if isinstance(n, ast.ImportFrom)
+                          for a in n.names)
+        rest = [n for n in body if not isinstance(n, ast.ImportFrom)]
+        assert len(rest) == 1 and ast.unparse(rest[0]).startswith("__all__ ="), (
+            f"{module_path(name)} holds more than re-exports: "
+            f"{[ast.unparse(n)[:60] for n in rest]}")
+        assert sorted(ast.literal_eval(rest[0].value)) == imported, module_path(name)
 
 
 def test_a_pure_optax_program_imports_no_integration_until_its_framework_is_imported():
@@ -1253,19 +1271,21 @@ def test_a_name_the_page_places_in_a_module_is_defined_there():
     assert not wrong, f"the page places names in modules that do not define them: {wrong}"
 
 
-@pytest.mark.parametrize("package", sorted(p for p in BY_PATH if p.endswith("__init__.py")
-                                           and p != "__init__.py"))
-def test_a_sub_package_map_names_its_modules_or_its_readme(package):
+def test_a_sub_package_map_names_its_modules_or_its_readme():
     """A sub-package's ``__init__.py`` docstring is its map: it lists its modules in
     parentheses (``core/``, ``wrapper/``) or points to its README.md, whose table lists
     them (checked below). A module moved or merged changes it."""
-    folder = PACKAGE / package.rpartition("/")[0]
-    doc = ast.get_docstring(MODULES[BY_PATH[package]]) or ""
-    if "README.md" in doc:
-        assert (folder / "README.md").is_file()
-        return
-    named = set(re.findall(r"\((\w+)\)", doc))
-    assert named == {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    wrong = {}
+    for package in sorted(p for p in BY_PATH if p.endswith("/__init__.py")):
+        folder = PACKAGE / package.rpartition("/")[0]
+        doc = ast.get_docstring(MODULES[BY_PATH[package]]) or ""
+        modules = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+        if "README.md" in doc:
+            if not (folder / "README.md").is_file():
+                wrong[package] = "points to a README.md that does not exist"
+        elif (named := set(re.findall(r"\((\w+)\)", doc))) != modules:
+            wrong[package] = f"names {sorted(named)}, the folder holds {sorted(modules)}"
+    report(wrong, "sub-package maps that name other modules than their folder's")
 
 
 def test_the_state_and_option_tables_list_exactly_the_fields():
@@ -1307,26 +1327,24 @@ def readme_table(readme: pathlib.Path) -> list[dict[str, str]]:
     return markdown_table(text[header.start():], str(readme.relative_to(ROOT)))
 
 
-@pytest.mark.parametrize("readme", READMES, ids=lambda p: p.parent.name)
-def test_a_readme_table_names_every_module_of_its_folder_once(readme):
-    rows = readme_table(readme)
-    named = [ticked(row["module"])[0] for row in rows]
-    modules = sorted(p.name for p in readme.parent.glob("*.py") if p.name != "__init__.py")
-    assert sorted(named) == modules, (
-        f"{readme.relative_to(ROOT)}: the table names {sorted(named)}, the folder holds "
-        f"{modules}")
-
-
-@pytest.mark.parametrize("readme", READMES, ids=lambda p: p.parent.name)
-def test_what_a_readme_row_owns_is_defined_there(readme):
-    folder = readme.parent.name
+def test_a_readme_table_names_every_module_of_its_folder_once():
     wrong = {}
-    for row in readme_table(readme):
-        path = f"{folder}/{ticked(row['module'])[0]}"
-        if path in BY_PATH and (missing := undefined_owned(path, row["owns"])):
-            wrong[path] = missing
-    assert not wrong, (f"{readme.relative_to(ROOT)}: rows tick names their modules do not "
-                       f"define: {wrong}")
+    for readme in READMES:
+        named = sorted(ticked(row["module"])[0] for row in readme_table(readme))
+        modules = sorted(p.name for p in readme.parent.glob("*.py") if p.name != "__init__.py")
+        if named != modules:
+            wrong[str(readme.relative_to(ROOT))] = f"names {named}, the folder holds {modules}"
+    report(wrong, "README tables that do not name their folder's modules once each")
+
+
+def test_what_a_readme_row_owns_is_defined_there():
+    wrong = {}
+    for readme in READMES:
+        for row in readme_table(readme):
+            path = f"{readme.parent.name}/{ticked(row['module'])[0]}"
+            if path in BY_PATH and (missing := undefined_owned(path, row["owns"])):
+                wrong[f"{readme.relative_to(ROOT)}, {path}"] = missing
+    report(wrong, "names a README row ticks that its module does not define")
 
 
 # ------------------------------------------------------------------- no duplicates
