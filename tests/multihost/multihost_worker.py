@@ -461,9 +461,9 @@ def checkpoint_run(mesh: Mesh) -> dict[str, Any]:
 
 def recipe() -> dict[str, Any]:
     """The Orbax recipe (``save`` / ``restore``) of docs/checkpoints.md, as
-    ``tests/test_checkpoint.py`` runs it (the docs block imported, its demo part not run)."""
+    ``tests/test_checkpoint_recipe.py`` runs it (the docs block imported, its demo part not run)."""
     sys.path.insert(0, str(TESTS))
-    from test_checkpoint import recipe as docs_recipe
+    from checkpoint_states import recipe as docs_recipe
 
     return docs_recipe()
 
