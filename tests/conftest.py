@@ -40,6 +40,7 @@ SLOW_FIXTURES = (
 # Single tests (node ids without parameters, relative to the repository root).
 SLOW_TESTS = (
     "tests/test_checkpoint_recipe.py::test_resume_in_a_fresh_process_is_bit_identical",
+    "tests/test_conftest.py::test_a_process_the_tests_start_reads_what_they_compiled_and_writes_nothing",
     "tests/test_demo.py::test_runs_as_a_module",
     "tests/test_demo.py::test_the_train_step_compiles_once_and_skips_non_finite_steps",
     "tests/test_demo.py::test_docs_demo_train_step_runs",  # 9 float16 layers to compile
@@ -203,22 +204,54 @@ def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) 
     return None if path.startswith(tuple(NUMERICS_FILES)) else True
 
 
+# One compilation cache for the whole run: a folder made by the run's first process and
+# named to every later one through the environment (xdist's workers, the subprocesses the
+# tests start, the notebook kernels and the multihost workers all inherit it; jax reads
+# JAX_* variables when it is imported).
+CACHE_FOLDER = "JAX_COMPILATION_CACHE_DIR"
+# What a process that did not run this file does with the folder: it reads (a hit skips
+# XLA's compile) and never writes, since jax writes an entry in place, where a process
+# could read it half-written. The test processes write, each entry to a file of its own
+# first, then renamed into place (atomic_put below).
+CACHE_READ_ONLY = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1e9"}
+
+
+def atomic_put(self, key: str, value: bytes) -> None:
+    """``jax._src.lru_cache.LRUCache.put`` without a size limit (jax's default), the entry
+    written whole under a name of this process's own and then renamed: a reader sees no
+    entry or all of it, and two processes writing the same entry both write all of it."""
+    from jax._src import lru_cache
+
+    path = self.path / f"{key}{lru_cache._CACHE_SUFFIX}"
+    if path.exists():
+        return
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_bytes(value)
+    os.replace(partial, path)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Each test process compiles a program that another test of it compiled already (the
-    same step, from a new closure) once: XLA's executables go to a persistent compilation
-    cache in a fresh folder of this process's own, removed at the end (nothing is reused
-    from an earlier run). A cache hit needs the same program text (debug info aside), XLA
-    flags and backend, so the AVX2 pass compiles anew; programs with host callbacks are
-    never cached (jax's rule). Tracing and lowering still run in every test.
+    """Every process of a run compiles a program that another process of it compiled
+    already (the same step from a new closure, the same small model in another test file,
+    a fresh process that rebuilds the run it resumes) once: XLA's executables go to one
+    persistent compilation cache per run, a fresh folder removed at the run's end (nothing
+    is reused from an earlier run). The test processes read and write it; the processes
+    they start read it. A hit needs the same program text (debug info aside), XLA flags
+    and backend, so the AVX2 pass, a run of its own, compiles anew; programs with host
+    callbacks are never cached (jax's rule). Tracing and lowering still run in every test.
     ``LS_TEST_COMPILATION_CACHE=0`` turns it off."""
     if os.environ.get("LS_TEST_COMPILATION_CACHE", "1") == "0":
         return
-    if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
-        return  # xdist's controller runs no test
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # the run's first process makes the folder
+        folder = tempfile.mkdtemp(prefix="ls-test-xla-cache-")
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+        os.environ.update(CACHE_READ_ONLY, **{CACHE_FOLDER: folder})
+        if getattr(config.option, "numprocesses", None):
+            return  # xdist's controller runs no test
     import jax
+    from jax._src import lru_cache
 
-    folder = tempfile.mkdtemp(prefix="ls-test-xla-cache-")
-    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
-    jax.config.update("jax_compilation_cache_dir", folder)
+    lru_cache.LRUCache.put = atomic_put
+    jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_FOLDER])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

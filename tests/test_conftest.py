@@ -1,5 +1,8 @@
-"""Every name tests/conftest.py marks by exists: a test renamed or moved to another file must
-not silently leave the slow subset's list, the numerics list (and with it the AVX2 pass of
+"""tests/conftest.py: the names its marker lists give exist, and the compilation cache it
+shares between the processes of a run is shared.
+
+Every name the lists mark by must exist: a test renamed or moved to another file must not
+silently leave the slow subset's list, the numerics list (and with it the AVX2 pass of
 .ci/run) or the order of the longest units. The lists name files, folders, classes, test
 functions and fixtures; each is looked up in the source (``ast``), nothing is collected."""
 
@@ -7,10 +10,15 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
+import os
 import pathlib
+import subprocess
 import sys
 
 import conftest
+import jax
+import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -96,3 +104,46 @@ def test_a_renamed_test_is_reported(tmp_path, monkeypatch):
             "tests/test_x.py::TestY::test_gone"]
     finally:
         defined.cache_clear()
+
+
+# ---------------------------------------------------------------- the compilation cache
+
+# Two programs no other test compiles (by name and shape): the test compiles the first, the
+# process it starts both, counting jax's persistent-cache events at each.
+PROGRAMS = """
+def compiled_by_the_test(x):
+    return (x * 7.25 + 3.5).sum()
+
+def compiled_by_the_subprocess_only(x):
+    return (x * 2.75 - 1.5).sum()
+"""
+COUNT_HITS = PROGRAMS + """
+import json, jax, jax.numpy as jnp
+from jax._src import monitoring
+events = []
+monitoring.register_event_listener(lambda event, **_: events.append(event))
+x = jnp.ones(37)
+counted = []
+for program in (compiled_by_the_test, compiled_by_the_subprocess_only):
+    del events[:]
+    jax.jit(program)(x)
+    counted.append(sum(event.endswith("/cache_hits") for event in events))
+print(json.dumps(counted))
+"""
+
+
+@pytest.mark.skipif(os.environ.get("LS_TEST_COMPILATION_CACHE") == "0", reason="turned off")
+def test_a_process_the_tests_start_reads_what_they_compiled_and_writes_nothing():
+    folder = pathlib.Path(os.environ[conftest.CACHE_FOLDER])
+    assert jax.config.jax_compilation_cache_dir == str(folder)
+    namespace: dict = {}
+    exec(PROGRAMS, namespace)
+    jax.jit(namespace["compiled_by_the_test"])(jnp.ones(37))  # written to the folder
+    out = subprocess.run([sys.executable, "-c", COUNT_HITS], capture_output=True, text=True,
+                         check=True)
+    first, second = json.loads(out.stdout.splitlines()[-1])
+    assert first >= 1 and second == 0, out.stdout + out.stderr  # a hit, then a miss...
+    names = [p.name for p in folder.iterdir()]
+    assert any(n.startswith("jit_compiled_by_the_test-") for n in names)
+    assert not any(n.startswith("jit_compiled_by_the_subprocess_only-") for n in names)
+    assert not [n for n in names if n.startswith(".")]  # ...not written; none half-written
