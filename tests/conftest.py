@@ -26,8 +26,8 @@ SLOW_MODULES = (
     "tests/test_static_checks.py",  # mypy and ruff over the package
     "tests/test_update_rule.py",  # hypothesis against the reference model
     "tests/test_torch_reference.py",  # imports torch; PyTorch's kernels on every bit pattern
-    "tests/test_restore_devices.py",  # subprocesses on 8 devices and on 2 processes
-    "tests/test_restore_fuzz.py",  # hypothesis over corrupted bytes and checkpoint files
+    "tests/test_checkpoint_devices.py",  # subprocesses on 8 devices and on 2 processes
+    "tests/test_checkpoint_fuzz.py",  # hypothesis over corrupted bytes and checkpoint files
     "tests/test_policy_runs.py",  # four short float16 training runs of the demo model
     "tests/test_autocast_zoo.py",  # seven models, their gradients and 150-step trainings
 )
@@ -39,13 +39,14 @@ SLOW_FIXTURES = (
 
 # Single tests (node ids without parameters, relative to the repository root).
 SLOW_TESTS = (
-    "tests/test_checkpoint.py::test_resume_in_a_fresh_process_is_bit_identical",
+    "tests/test_checkpoint_recipe.py::test_resume_in_a_fresh_process_is_bit_identical",
+    "tests/test_conftest.py::test_a_process_the_tests_start_reads_what_they_compiled_and_writes_nothing",
     "tests/test_demo.py::test_runs_as_a_module",
     "tests/test_demo.py::test_the_train_step_compiles_once_and_skips_non_finite_steps",
     "tests/test_demo.py::test_docs_demo_train_step_runs",  # 9 float16 layers to compile
     "tests/test_skipping.py::test_noop_scale_unscale_and_update_add_no_ops_to_the_wrapper_step",
     "tests/test_skipping.py::test_docs_gan_snippet_backs_off_only_the_overflowing_scaler",
-    "tests/test_integrations.py::test_ls_train_state_fused_matches_flax_train_state_plain_and_skips_exactly",
+    "tests/test_composition.py::test_ls_train_state_fused_matches_flax_train_state_plain_and_skips_exactly",
     "tests/test_docs.py::test_site_builds_with_warnings_as_errors",
     "tests/test_exactness.py::test_lbfgs_sees_the_unscaled_grad_extra_argument",
     "tests/test_wrapper_inputs.py::test_ls_train_state_assigns_the_fp8_overwrite_collection_exactly_as_flax_does",
@@ -64,9 +65,9 @@ SLOW_TESTS = (
     "tests/test_docs.py::test_python_block_runs_on_virtual_devices",
     "tests/test_nnx.py::test_value_and_grad_uses_the_optimizers_wrt_filter",
     "tests/test_nnx.py::test_a_skipped_step_keeps_the_forward_pass_updates_and_nothing_else",
-    "tests/test_checkpoint.py::test_nnx_resume_through_the_orbax_helpers_is_bit_identical",
-    "tests/test_checkpoint.py::test_nnx_helpers_refuse_a_changed_config",
-    "tests/test_checkpoint.py::test_the_guides_blocks_run",
+    "tests/test_checkpoint_orbax.py::test_nnx_resume_through_the_orbax_helpers_is_bit_identical",
+    "tests/test_checkpoint_orbax.py::test_nnx_helpers_refuse_a_changed_config",
+    "tests/test_checkpoint_recipe.py::test_the_guides_blocks_run",
     "tests/test_nnx.py::test_ls_nnx_optimizer_without_loss_scaling_is_a_plain_nnx_optimizer",
     "tests/test_nnx.py::test_metrics_through_nnx_state_equal_the_optimizers",
     "tests/test_nnx.py::test_check_reads_a_failure_from_the_optimizer_its_state_and_split",
@@ -74,27 +75,26 @@ SLOW_TESTS = (
     "tests/test_skipping.py::test_loss_scale_for_in_a_wrapper_train_step",
     # Recipes and checks that train a model or compile many steps (the quick subset's
     # budget is 90 s on 2 cores).
-    "tests/test_integrations.py::test_docs_batchnorm_dropout_recipe_trains_and_a_skip_keeps_the_new_batch_stats",
+    "tests/test_composition.py::test_docs_batchnorm_dropout_recipe_trains_and_a_skip_keeps_the_new_batch_stats",
     "tests/test_diagnostics.py::test_the_getting_started_check_shows_a_model_that_needs_loss_scaling",
     "tests/test_transform.py::test_the_default_fused_step_adds_a_fixed_number_of_kernels_whatever_the_leaf_count",
-    "tests/test_overflow.py::test_the_readiness_report_matches_a_hand_computation_on_two_layers",
+    "tests/test_debug.py::test_the_readiness_report_matches_a_hand_computation_on_two_layers",
     "tests/test_nnx.py::test_a_wrong_first_argument_says_what_it_must_be",
     "tests/test_wrapper_inputs.py::test_a_skipped_step_keeps_every_float_dtype_bit_for_bit_but_where_xla_cpu_flushes",
     "tests/test_wrapper_inputs.py::test_line_searches_lbfgs_and_sam_run_inside_the_wrapper",
     "tests/test_wrapper_inputs.py::test_metrics_grad_norm_is_the_unscaled_global_norm_and_nonfinite_on_a_skip",
-    "tests/test_integrations.py::test_docs_optax_snippet_runs_both_paths_and_skips_nan_steps",
-    "tests/test_integrations.py::test_docs_train_state_snippet_runs_and_skips_a_nan_step",
+    "tests/test_composition.py::test_docs_optax_snippet_runs_both_paths_and_skips_nan_steps",
+    "tests/test_composition.py::test_docs_train_state_snippet_runs_and_skips_a_nan_step",
     "tests/test_nnx.py::test_get_loss_scale_and_metrics_accept_the_optimizer_its_state_and_split",
-    "tests/test_overflow.py::test_import_loss_scaling_does_not_import_the_debugging_tools",
     "tests/test_diagnostics.py::test_nothing_is_compiled_when_the_diagnostics_are_off",
     "tests/test_diagnostics.py::test_integer_and_bool_params_pass_through_as_in_optax",
     # The debugging tools run op by op: a real model is hundreds of eager compiles.
-    "tests/test_overflow.py::test_a_function_sharded_over_8_virtual_devices",  # subprocess
-    "tests/test_overflow.py::test_the_train_steps_compiled_text_is_unchanged_by_the_feature",
-    "tests/test_overflow.py::test_the_readiness_report_on_the_demo_model_sorts_its_layers_by_headroom",
-    "tests/test_overflow.py::test_the_readiness_report_on_a_small_transformer",
-    "tests/test_overflow.py::test_inside_nnx_scan_the_layer_index_and_line_are_reported",
-    "tests/test_overflow.py::test_a_frameworks_own_cell_is_placed_at_the_users_line_that_calls_it",
+    "tests/test_debug.py::test_a_function_sharded_over_8_virtual_devices",  # subprocess
+    "tests/test_debug.py::test_the_train_steps_compiled_text_is_unchanged_by_the_feature",
+    "tests/test_debug.py::test_the_readiness_report_on_the_demo_model_sorts_its_layers_by_headroom",
+    "tests/test_debug.py::test_the_readiness_report_on_a_small_transformer",
+    "tests/test_debug.py::test_inside_nnx_scan_the_layer_index_and_line_are_reported",
+    "tests/test_debug.py::test_a_frameworks_own_cell_is_placed_at_the_users_line_that_calls_it",
     # the GRU's stepwise reference checked on its own, and at more scales
     "tests/test_debug_gru.py::test_the_model_overflows_where_the_stepwise_reference_says",
     "tests/test_debug_gru.py::test_the_reference_and_the_report_agree_at_larger_scales",
@@ -125,7 +125,7 @@ NUMERICS_TESTS = (
     "tests/test_exactness.py::test_float64_subnormal_params_on_a_skipped_step",
     "tests/test_transform.py::test_finite_steps_equal_inner_on_true_gradients",
     "tests/test_transform.py::test_clipping_inside_the_inner_chain_sees_true_gradients",
-    "tests/test_integrations.py::test_ls_train_state_fused_matches_flax_train_state_plain_and_skips_exactly",
+    "tests/test_composition.py::test_ls_train_state_fused_matches_flax_train_state_plain_and_skips_exactly",
 )
 
 
@@ -143,13 +143,13 @@ LONGEST_FIRST = (
     "tests/test_exactness.py",
     "tests/test_transform.py",
     "tests/test_static_checks.py",  # mypy
-    "tests/test_restore_devices.py",
+    "tests/test_checkpoint_devices.py",
     "tests/test_torch_reference.py",
     "tests/test_notebooks.py::TestHeadroomAndReplay",
     "tests/test_notebooks.py::TestScalerDynamics",
     "tests/test_demo.py",
-    "tests/test_checkpoint.py",
-    "tests/test_overflow.py",
+    "tests/test_checkpoint_recipe.py",
+    "tests/test_debug.py",
     "tests/test_nnx.py",
 )
 
@@ -204,22 +204,54 @@ def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) 
     return None if path.startswith(tuple(NUMERICS_FILES)) else True
 
 
+# One compilation cache for the whole run: a folder made by the run's first process and
+# named to every later one through the environment (xdist's workers, the subprocesses the
+# tests start, the notebook kernels and the multihost workers all inherit it; jax reads
+# JAX_* variables when it is imported).
+CACHE_FOLDER = "JAX_COMPILATION_CACHE_DIR"
+# What a process that did not run this file does with the folder: it reads (a hit skips
+# XLA's compile) and never writes, since jax writes an entry in place, where a process
+# could read it half-written. The test processes write, each entry to a file of its own
+# first, then renamed into place (atomic_put below).
+CACHE_READ_ONLY = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1e9"}
+
+
+def atomic_put(self, key: str, value: bytes) -> None:
+    """``jax._src.lru_cache.LRUCache.put`` without a size limit (jax's default), the entry
+    written whole under a name of this process's own and then renamed: a reader sees no
+    entry or all of it, and two processes writing the same entry both write all of it."""
+    from jax._src import lru_cache
+
+    path = self.path / f"{key}{lru_cache._CACHE_SUFFIX}"
+    if path.exists():
+        return
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_bytes(value)
+    os.replace(partial, path)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Each test process compiles a program that another test of it compiled already (the
-    same step, from a new closure) once: XLA's executables go to a persistent compilation
-    cache in a fresh folder of this process's own, removed at the end (nothing is reused
-    from an earlier run). A cache hit needs the same program text (debug info aside), XLA
-    flags and backend, so the AVX2 pass compiles anew; programs with host callbacks are
-    never cached (jax's rule). Tracing and lowering still run in every test.
+    """Every process of a run compiles a program that another process of it compiled
+    already (the same step from a new closure, the same small model in another test file,
+    a fresh process that rebuilds the run it resumes) once: XLA's executables go to one
+    persistent compilation cache per run, a fresh folder removed at the run's end (nothing
+    is reused from an earlier run). The test processes read and write it; the processes
+    they start read it. A hit needs the same program text (debug info aside), XLA flags
+    and backend, so the AVX2 pass, a run of its own, compiles anew; programs with host
+    callbacks are never cached (jax's rule). Tracing and lowering still run in every test.
     ``LS_TEST_COMPILATION_CACHE=0`` turns it off."""
     if os.environ.get("LS_TEST_COMPILATION_CACHE", "1") == "0":
         return
-    if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
-        return  # xdist's controller runs no test
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # the run's first process makes the folder
+        folder = tempfile.mkdtemp(prefix="ls-test-xla-cache-")
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+        os.environ.update(CACHE_READ_ONLY, **{CACHE_FOLDER: folder})
+        if getattr(config.option, "numprocesses", None):
+            return  # xdist's controller runs no test
     import jax
+    from jax._src import lru_cache
 
-    folder = tempfile.mkdtemp(prefix="ls-test-xla-cache-")
-    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
-    jax.config.update("jax_compilation_cache_dir", folder)
+    lru_cache.LRUCache.put = atomic_put
+    jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_FOLDER])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -9,8 +9,6 @@ or skipped. The reference runs are written with plain ``nnx.value_and_grad`` and
 the host by the same rule, the update left out on the steps the wrapper skips.
 """
 
-import subprocess
-import sys
 
 import bitwise
 import jax
@@ -558,16 +556,6 @@ def test_orbax_resume_is_bit_identical_to_the_uninterrupted_run(tmp_path, runs):
     wrapper_run(True, steps=STEPS, model=m2, optimizer=o2, start=half)
     assert_bit_identical(bits(nnx.state(model)), nnx.state(m2))
     assert_bit_identical(bits(nnx.state(optimizer)), nnx.state(o2))
-
-
-# --------------------------------------------------------------------- lazy imports
-
-
-def test_import_loss_scaling_imports_neither_nnx_nor_equinox():
-    code = ("import sys, loss_scaling as ls; "
-            "assert 'flax.nnx' not in sys.modules and 'equinox' not in sys.modules; "
-            "ls.nnx.Optimizer; assert 'flax.nnx' in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])

@@ -461,9 +461,9 @@ def checkpoint_run(mesh: Mesh) -> dict[str, Any]:
 
 def recipe() -> dict[str, Any]:
     """The Orbax recipe (``save`` / ``restore``) of docs/checkpoints.md, as
-    ``tests/test_checkpoint.py`` runs it (the docs block imported, its demo part not run)."""
+    ``tests/test_checkpoint_recipe.py`` runs it (the docs block imported, its demo part not run)."""
     sys.path.insert(0, str(TESTS))
-    from test_checkpoint import recipe as docs_recipe
+    from checkpoint_states import recipe as docs_recipe
 
     return docs_recipe()
 
@@ -513,43 +513,11 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def die(args: argparse.Namespace) -> dict[str, Any]:
-    """For the harness test: the last process dies; the others wait for it in a collective."""
-    from jax.experimental import multihost_utils
-
-    if jax.process_index() == jax.process_count() - 1:
-        print(f"process {jax.process_index()}: dying on purpose", file=sys.stderr, flush=True)
-        os._exit(3)
-    multihost_utils.sync_global_devices("never reached by the last process")
-    return {}
-
-
-HUNG = "hung"
-"""What :func:`hang` prints on every process once it is where it hangs: the test's
-timeout counts from there, not from a start that may take minutes on a busy machine."""
-
-
-def hang(args: argparse.Namespace) -> dict[str, Any]:
-    """For the harness test: the last process hangs; the others wait for it."""
-    from jax.experimental import multihost_utils
-
-    if jax.process_index() == jax.process_count() - 1:
-        print(f"process {jax.process_index()}: hanging on purpose ({HUNG})", file=sys.stderr,
-              flush=True)
-        time.sleep(3600)
-    print(f"process {jax.process_index()}: waiting for the last process ({HUNG})",
-          file=sys.stderr, flush=True)
-    multihost_utils.sync_global_devices("never reached by the last process")
-    return {}
-
-
 SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "train": train,
     "fail_closed": fail_closed,
     "save": save,
     "resume": resume,
-    "die": die,
-    "hang": hang,
 }
 
 

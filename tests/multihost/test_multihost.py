@@ -80,7 +80,7 @@ PATHS = ("jit", "shard_map", "shard_map_unchecked", "pmap")
 EXACT_PATHS = ("shard_map_unchecked",)  # the gradient mean in a fixed order
 METRICS = ("loss_scale", "growth_tracker", "skipped_steps", "consecutive_skips",
            "last_step_applied")
-HUNG = "hung"  # what the worker's "hang" scenario prints where it hangs (its HUNG)
+HUNG = "hung"  # what a hanging stand-in prints where it hangs (STAND_IN)
 PORT_TAKEN = re.compile(r"Failed to start RPC server|Failed to add port|address already in use",
                         re.IGNORECASE)
 
@@ -510,10 +510,33 @@ def test_restores_in_one_process_with_another_device_count(runs):
 
 # ------------------------------------------------------------- when a process fails
 
+# The harness's own tests. What run_processes does with a process that dies or hangs does
+# not depend on what the processes run, so those two launch this stand-in, which starts no
+# jax: the last process dies (or hangs), the others wait for it as they would in a
+# collective. A coordinator that cannot bind its port is jax's own failure: the one launch
+# of the worker here.
+STAND_IN = f"""
+import sys, time
+process, count, action = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+if process == count - 1:
+    if action == "die":
+        print(f"process {{process}}: dying on purpose", file=sys.stderr, flush=True)
+        sys.exit(3)
+    print(f"process {{process}}: hanging on purpose ({HUNG})", file=sys.stderr, flush=True)
+    time.sleep(3600)
+print(f"process {{process}}: waiting for the last process ({HUNG})", file=sys.stderr,
+      flush=True)
+time.sleep(3600)
+"""
+
+
+def stand_ins(action: str, n_processes: int) -> Callable[[int, int], list[str]]:
+    return lambda i, port: [sys.executable, "-c", STAND_IN, str(i), str(n_processes), action]
+
 
 def test_a_process_that_dies_fails_the_test_with_its_stderr(tmp_path):
     with pytest.raises(WorkerFailure) as failure:
-        launch(tmp_path, ["die"], 2, DEVICES_PER_PROCESS, timeout=120)
+        run_processes(stand_ins("die", 2), 2, tmp_path, port=free_port(), timeout=120)
     message = str(failure.value)
     assert "process 1 of 2 ended with exit code 3" in message.splitlines()[0]
     assert "--- process 1: stderr (tail) ---\nprocess 1: dying on purpose" in message
@@ -521,15 +544,16 @@ def test_a_process_that_dies_fails_the_test_with_its_stderr(tmp_path):
 
 def test_a_hung_process_fails_the_test_instead_of_hanging(tmp_path):
     """The timeout counts from when both processes are where they hang (each says so):
-    under load, starting them took longer than the 20 s, and the message had no stderr
-    to show yet (it failed once in a full run)."""
+    under load, starting the worker's processes took longer than the timeout, and the
+    message had no stderr to show yet (it failed once in a full run)."""
     started = time.monotonic()
     with pytest.raises(WorkerFailure) as failure:
-        launch(tmp_path, ["hang"], 2, DEVICES_PER_PROCESS, timeout=20, timed_from=HUNG)
-    # Killed, not waited for: the last process sleeps for an hour.
-    assert time.monotonic() - started < TIMEOUT_S + 20 + 60
+        run_processes(stand_ins("hang", 2), 2, tmp_path, port=free_port(), timeout=5,
+                      timed_from=HUNG)
+    # Killed, not waited for: the processes sleep for an hour.
+    assert time.monotonic() - started < TIMEOUT_S + 5 + 60
     message = str(failure.value)
-    assert message.startswith("timed out after 20s: process(es) [0, 1] of 2 still running")
+    assert message.startswith("timed out after 5s: process(es) [0, 1] of 2 still running")
     assert "process 1: hanging on purpose" in message
     assert "process 0: waiting for the last process" in message
 

@@ -1,6 +1,6 @@
 """Resume on 8 devices, bit-identical: a pmap-replicated and a NamedSharding-sharded run.
 
-The runs are in ``restore_devices_worker.py`` (a subprocess: 8 virtual CPU devices); the
+The runs are in ``checkpoint_devices_worker.py`` (a subprocess: 8 virtual CPU devices); the
 assertions are here. Each layout is run uninterrupted and resumed from an Orbax
 checkpoint (``ls.orbax_save_args`` / ``ls.orbax_restore`` into a target rebuilt from
 scratch); the resumed run must end bit-identical to the uninterrupted one, every leaf
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-WORKER = Path(__file__).with_name("restore_devices_worker.py")
+WORKER = Path(__file__).with_name("checkpoint_devices_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
 
 

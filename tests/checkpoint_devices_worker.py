@@ -1,4 +1,4 @@
-"""Resumes on 8 devices for tests/test_restore_devices.py (a subprocess: the 8 virtual CPU
+"""Resumes on 8 devices for tests/test_checkpoint_devices.py (a subprocess: the 8 virtual CPU
 devices need XLA_FLAGS set before jax is imported).
 
 Two layouts, each run uninterrupted and run again with an Orbax checkpoint at RESUME_AT
