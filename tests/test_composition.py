@@ -550,7 +550,7 @@ def test_a_framework_is_reached_only_through_its_registered_hooks(monkeypatch):
     big = jnp.full((4, 4), 3e4, jnp.float16)
     model = ToyLayer(None, first=ToyLayer(jnp.eye(4, dtype=jnp.float16)), second=ToyLayer(big))
     with pytest.raises(ValueError, match=r"this is a model \(an instance of "
-                                         r"test_integrations.ToyLayer\), not an optimizer"):
+                                         r"test_composition.ToyLayer\), not an optimizer"):
         ls.get_loss_scale(model)
     report = ls.find_overflow(lambda m, x: jnp.sum(m(x).astype(jnp.float32)), model,
                               jnp.ones((1, 4), jnp.float16))
