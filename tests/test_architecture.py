@@ -1025,7 +1025,9 @@ def test_an_alias_is_a_thin_re_export():
 def test_a_pure_optax_program_imports_no_integration_until_its_framework_is_imported():
     """``_registry.hooks()`` imports an integration only once the program has imported its
     framework: ``import loss_scaling`` and a pure-optax step import none of them (nor
-    Orbax); after ``import equinox`` the next lookup brings the Equinox integration."""
+    Orbax), and the only hooks answered are linen's own ``is_model`` (the root imports
+    ``integrations/linen.py``, which registers it); after ``import equinox`` the next
+    lookup brings the Equinox integration's hooks too."""
     program = """
 import json, sys
 import jax.numpy as jnp, optax
@@ -1037,15 +1039,19 @@ ls.value_and_grad(lambda p: p.sum())(s, jnp.ones(2))
 seen = lambda: [m for m in ("flax.nnx", "equinox", "orbax.checkpoint",
                             "loss_scaling.integrations.nnx",
                             "loss_scaling.integrations.equinox") if m in sys.modules]
-before, hooks_before = seen(), len(_registry.hooks())
+filled = lambda: [sorted(k for k, v in h._asdict().items() if v is not None)
+                  for h in _registry.hooks()]
+before, hooks_before = seen(), filled()
 import equinox
-hooks_after = len(_registry.hooks())
+hooks_after = filled()
 print(json.dumps([before, hooks_before, seen(), hooks_after]))
 """
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                          check=True, cwd=PACKAGE.parent)
-    assert json.loads(out.stdout) == [[], 0, ["equinox", "loss_scaling.integrations.equinox"],
-                                      1], out.stdout + out.stderr
+    linen = ["is_model"]
+    equinox = ["is_model", "modules", "value_and_grad"]
+    assert json.loads(out.stdout) == [[], [linen], ["equinox", "loss_scaling.integrations.equinox"],
+                                      [linen, equinox]], out.stdout + out.stderr
 
 
 def test_the_import_reader_sees_every_kind_of_import():
