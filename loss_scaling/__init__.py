@@ -108,8 +108,9 @@ def __getattr__(name: str) -> object:
     renamed = package_alias(name)
     if renamed is not None:  # an old name: its new one, with a DeprecationWarning
         renamed.warn()
-        if "." in renamed.new:  # outside the package
-            module, attribute = renamed.new.rsplit(".", 1)
-            return getattr(importlib.import_module(module), attribute)
+        if "." in renamed.new:  # outside the package: optax's (a dependency), named here
+            import optax  # so that the import is one a reader (and test_architecture) sees
+
+            return getattr(optax, renamed.new.removeprefix("optax."))
         return globals()[renamed.new] if renamed.new in globals() else __getattr__(renamed.new)
     raise AttributeError(f"module 'loss_scaling' has no attribute {name!r}")

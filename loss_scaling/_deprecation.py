@@ -20,8 +20,9 @@ class Renamed(NamedTuple):
         a property under the old name), or ``"loss_scaling"`` for a name of the package
         (the package's ``__getattr__`` answers it).
       old: the name before.
-      new: the name now: in ``owner``, or a dotted path outside the package
-        (``"optax.GradientTransformationExtraArgs"``).
+      new: the name now: in ``owner``, or a name of optax outside the package
+        (``"optax.GradientTransformationExtraArgs"``: the package answers it from optax,
+        which it imports by name).
       since: the change that renamed it.
     """
 
