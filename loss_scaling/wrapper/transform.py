@@ -341,6 +341,12 @@ class StepDecision(NamedTuple):
 
 def decide(options: WrapperOptions, grads: Any, state: LossScalingState,
            extra_args: dict) -> StepDecision:
+    """The step's one read, before anything is applied: the scale's reciprocal, what the
+    growth rule measures (``headroom.measures``), the raw gradients read once
+    (``finite_leaves``: flags per leaf, the norm, the max when measured, agreed over
+    ``axis_name``), a ``grad=`` extra argument's flags, the loss's, and the health of the
+    state and of its scale (checked once here; the update rule is handed the result).
+    ``apply`` is their AND. Replay calls it again on each recomputed batch."""
     n_leaves = len(jax.tree.leaves(grads))
     if state.nonfinite_grads.shape[-1:] != (n_leaves,):
         raise ValueError(
@@ -407,6 +413,8 @@ def _inner_extra_args(options: WrapperOptions, extra_args: dict[str, Any],
 
 
 def _resolve_skip(skip: SkipMode, fused: bool) -> Literal["cond", "select"]:
+    """``skip="auto"`` made a conditional or a select for this path and backend: a Python
+    choice at trace time, nothing compiled."""
     if skip != "auto":
         return skip
     # Measured in benchmarks/overhead.py (see docs/performance.md): the fused step is
@@ -431,6 +439,11 @@ def _in_dtypes_of(new_state: Any, old_state: Any) -> Any:
 
 def _next_state(options: WrapperOptions, state: LossScalingState, inner_state: Any,
                 decision: StepDecision, loss_given: bool) -> LossScalingState:
+    """The state after the step, built on every step (applied or skipped), last: the
+    scaler's next state by its rule (a non-finite loss leaves it be with
+    ``nonfinite_loss="skip"``; after a replay no growth back to the scale that
+    overflowed), the counters, the one failure register (:func:`_next_failure`), the
+    underflow statistics, and an eager or opt-in raise (:func:`_report`)."""
     applied = decision.apply
     healthy = state.failure == Failure.NONE  # what the rule's own register said
     if options.nonfinite_loss == "skip":
