@@ -495,7 +495,7 @@ def finite_leaves(grads: Any, inverse: Reciprocal | None, axis_name: AxisName,
     collective. XLA CPU does not fuse a second reduction into the screen's sum (10-20x
     slower, benchmarks/headroom_cost.py): there the max is a second read with its own
     collective, under a conditional that runs it only on the steps that record it (and
-    are finite; else 0, which the rule ignores: :func:`loss_scaling.core.update.records_max`);
+    are finite; else 0, which the rule ignores: :func:`loss_scaling.core.headroom.records_max`);
     with small leaves only, where the conditional costs more than the read, on every step.
     """
     leaves = jax.tree.leaves(grads)
