@@ -42,6 +42,7 @@ SLOW_TESTS = (
     "tests/test_checkpoint_recipe.py::test_resume_in_a_fresh_process_is_bit_identical",
     "tests/test_conftest.py::test_a_process_the_tests_start_reads_what_they_compiled_and_writes_nothing",
     "tests/test_demo.py::test_runs_as_a_module",
+    "tests/test_demo.py::test_the_default_run_matches_what_getting_started_claims",  # 4x1000 steps
     "tests/test_demo.py::test_the_train_step_compiles_once_and_skips_non_finite_steps",
     "tests/test_demo.py::test_docs_demo_train_step_runs",  # 9 float16 layers to compile
     "tests/test_skipping.py::test_noop_scale_unscale_and_update_add_no_ops_to_the_wrapper_step",
