@@ -20,8 +20,6 @@ from flax import nnx
 
 import loss_scaling as ls
 
-print("loss_scaling from", ls.__file__, file=sys.stderr)
-
 
 def scalers():
     return {"interval": ls.DynamicLossScale(init_scale=2.0**10, growth_interval=4),
@@ -89,5 +87,7 @@ def emit_steps(kind: str, scaler: ls.DynamicLossScale) -> None:
     emit(f"equinox {kind}", eqx.filter_jit(eqx_step).lower(emodel, eopt, jnp.ones((4, 16))))
 
 
-for kind, scaler in scalers().items():
-    emit_steps(kind, scaler)
+if __name__ == "__main__":
+    print("loss_scaling from", ls.__file__, file=sys.stderr)
+    for kind, scaler in scalers().items():
+        emit_steps(kind, scaler)
