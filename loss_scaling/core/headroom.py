@@ -34,7 +34,7 @@ finite test, only on the steps :func:`records_max` says (:func:`measures`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -42,14 +42,59 @@ import numpy as np
 from jax import lax
 
 from loss_scaling._errors import show
-from loss_scaling.core.validation import F32, float32_where, int_in_range, scale_range
-
-if TYPE_CHECKING:
-    from loss_scaling.core.fields import DynamicConfig
-    from loss_scaling.core.scalers import DynamicLossScale
+from loss_scaling.core.validation import (
+    F32,
+    ScaleBounds,
+    float32_where,
+    int_in_range,
+    scale_range,
+)
 
 RULE = "headroom"
 """The ``growth`` value of this rule."""
+
+
+class HeadroomConfig(ScaleBounds, Protocol):
+    """What this rule reads of a configuration
+    (:class:`loss_scaling.core.fields.DynamicConfig`), typed by its shape: fields.py and
+    scalers.py import this module, so it imports neither."""
+
+    @property
+    def growth(self) -> str: ...
+
+    @property
+    def growth_factor(self) -> float: ...
+
+    @property
+    def headroom_margin(self) -> float | None: ...
+
+    @property
+    def headroom_window(self) -> int | None: ...
+
+    @property
+    def headroom_dtype(self) -> str | None: ...
+
+
+class HeadroomState(Protocol):
+    """What this rule reads of a state (:class:`loss_scaling.core.scalers.DynamicLossScale`)."""
+
+    @property
+    def config(self) -> HeadroomConfig: ...
+
+    @property
+    def loss_scale(self) -> jax.Array: ...
+
+    @property
+    def growth_tracker(self) -> jax.Array: ...
+
+    @property
+    def grad_max_history(self) -> jax.Array | None: ...
+
+    @property
+    def headroom_tracker(self) -> jax.Array | None: ...
+
+    @property
+    def ceiling(self) -> jax.Array | None: ...
 DEFAULTS: Mapping[str, Any] = {"headroom_margin": 2.0**4, "headroom_window": 16,
                                "headroom_dtype": "float16"}
 """Its options (``growth="headroom"`` only; :mod:`loss_scaling.core.fields` declares how
@@ -105,14 +150,14 @@ def refuse_options_without_rule(options: Mapping[str, Any]) -> None:
 # ----------------------------------------------------------------------------- leaves
 
 
-def initial_leaves(config: DynamicConfig) -> tuple[Any, ...]:
+def initial_leaves(config: HeadroomConfig) -> tuple[Any, ...]:
     """A new state's own leaves: an empty window, no steps, the ceiling at the top."""
     assert config.headroom_window is not None
     return (jnp.zeros((config.headroom_window,), jnp.float32), jnp.zeros((), jnp.int32),
             jnp.asarray(scale_range(config)[1], jnp.float32))
 
 
-def tracker_range(config: DynamicConfig) -> tuple[int, int, str]:
+def tracker_range(config: HeadroomConfig) -> tuple[int, int, str]:
     """``headroom_tracker``'s range ``(low, high, how high is named)``: it wraps at
     ``2 * window`` (a template of the config's name, ``{c}``)."""
     assert config.headroom_window is not None
@@ -128,7 +173,7 @@ def history_in_range(name: str, values: Any) -> None:
                          f"{show(values)}.")
 
 
-def adopted(values: Mapping[str, Any], config: DynamicConfig) -> dict[str, Any]:
+def adopted(values: Mapping[str, Any], config: HeadroomConfig) -> dict[str, Any]:
     """The saved leaves of this rule under a target configuration (``restore_with_config``):
     the history kept if its window has the target's length (else it starts over), the
     ceiling clamped into the target's range (its top when none was saved); ``{}`` for
@@ -150,7 +195,7 @@ def adopted(values: Mapping[str, Any], config: DynamicConfig) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- rule
 
 
-def parts(state: DynamicLossScale) -> tuple[jax.Array, jax.Array, jax.Array, int]:
+def parts(state: HeadroomState) -> tuple[jax.Array, jax.Array, jax.Array, int]:
     """``(grad_max_history, headroom_tracker, ceiling, headroom_window)``."""
     state_parts = (state.grad_max_history, state.headroom_tracker, state.ceiling,
                    state.config.headroom_window)
@@ -158,7 +203,7 @@ def parts(state: DynamicLossScale) -> tuple[jax.Array, jax.Array, jax.Array, int
     return state_parts  # type: ignore[return-value]
 
 
-def records_max(state: DynamicLossScale) -> jax.Array:
+def records_max(state: HeadroomState) -> jax.Array:
     """Whether a clean step of this headroom state records its ``grads_max`` (a bool).
 
     Every clean step while the window fills (after the start and after each backoff:
@@ -180,7 +225,7 @@ def measures(scaler: Any) -> jax.Array | None:
     return records_max(scaler) if is_headroom(scaler) else None
 
 
-def target(config: DynamicConfig, peak: jax.Array, cap: jax.Array) -> jax.Array:
+def target(config: HeadroomConfig, peak: jax.Array, cap: jax.Array) -> jax.Array:
     """``min(T, cap)`` for the largest power of two ``T`` with ``T * margin * peak <=
     finfo(headroom_dtype).max`` (float32); ``peak`` 0 gives ``cap`` (the rule itself
     probes by one ``growth_factor`` instead, :func:`clean_step`).
@@ -198,12 +243,13 @@ def target(config: DynamicConfig, peak: jax.Array, cap: jax.Array) -> jax.Array:
     return jnp.minimum(lax.bitcast_convert_type(exponent_bits, jnp.float32), cap)
 
 
-def clean_step(state: DynamicLossScale, grads_max: jax.Array, lifts: jax.Array,
+def clean_step(state: HeadroomState, grads_max: jax.Array, lifts: jax.Array,
                counted_clean: jax.Array,
-               grown: Callable[[DynamicConfig, jax.Array], jax.Array]) -> dict[str, jax.Array]:
+               grown: Callable[[Any, jax.Array], jax.Array]) -> dict[str, jax.Array]:
     """The rule's clean step: record the unscaled max, lift the ceiling on the
     growth_interval-th clean step, and once the window is full grow to the target.
-    ``grown(config, scale)``: the interval rule's growth (the probe of an empty window)."""
+    ``grown(state.config, scale)``: the interval rule's growth (the probe of an empty
+    window), which reads the whole configuration."""
     config = state.config
     old_history, steps, old_ceiling, window = parts(state)
     scale = state.loss_scale
@@ -235,7 +281,7 @@ def clean_step(state: DynamicLossScale, grads_max: jax.Array, lifts: jax.Array,
             HISTORY: history, "headroom_tracker": counted, "ceiling": ceiling}
 
 
-def nonfinite_step(state: DynamicLossScale, finite: jax.Array, backs_off: jax.Array,
+def nonfinite_step(state: HeadroomState, finite: jax.Array, backs_off: jax.Array,
                    shrunk: jax.Array, clean: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """This rule's leaves after a step: ``clean``'s on a finite one; a backoff sets the ceiling
     strictly below the scale that overflowed (to the backed-off ``shrunk``) and starts

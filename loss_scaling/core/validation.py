@@ -11,7 +11,7 @@ from __future__ import annotations
 import numbers
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -19,12 +19,21 @@ import numpy as np
 
 from loss_scaling._errors import show
 
-if TYPE_CHECKING:
-    from loss_scaling.core.fields import DynamicConfig
-
 F32 = np.finfo(np.float32)
 """float32's limits: ``F32.tiny`` (the smallest normal) and ``F32.max``."""
 INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+class ScaleBounds(Protocol):
+    """What the range check of a scale reads of a configuration
+    (:class:`loss_scaling.core.fields.DynamicConfig`): typed by its shape, so that this
+    module, the lowest of the core, imports none of the modules above it."""
+
+    @property
+    def min_scale(self) -> float | None: ...
+
+    @property
+    def max_scale(self) -> float | None: ...
 
 
 def is_traced(value: Any) -> bool:
@@ -116,7 +125,7 @@ def normal_float32(values: Any) -> np.ndarray:
     return np.isfinite(as_f32) & (as_f32 >= F32.tiny)
 
 
-def scale_range(config: DynamicConfig | None) -> tuple[float, float]:
+def scale_range(config: ScaleBounds | None) -> tuple[float, float]:
     """``[low, high]`` for a loss scale under ``config`` (``None`` for a static scale):
     float32's normal range, narrowed by ``min_scale`` / ``max_scale``."""
     low, high = float(F32.tiny), float(F32.max)
@@ -126,7 +135,7 @@ def scale_range(config: DynamicConfig | None) -> tuple[float, float]:
     return low, high
 
 
-def scale_in_range(name: str, value: Any, config: DynamicConfig | None, *, where: str = "",
+def scale_in_range(name: str, value: Any, config: ScaleBounds | None, *, where: str = "",
                    fix: str = "") -> None:
     """The one range check of a loss scale: every element of ``value`` a float32 in
     :func:`scale_range`, else a ValueError naming ``name``, the value, the bounds (the
