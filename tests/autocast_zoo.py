@@ -13,8 +13,11 @@ import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+
+import loss_scaling as ls
 
 VOCAB, SEQ, WIDTH, HEADS, LAYERS, BATCH = 32, 16, 32, 4, 2, 8
 
@@ -335,3 +338,26 @@ ZOO: dict[str, Callable[[], Model]] = {
 @functools.cache
 def model(name: str) -> Model:
     return ZOO[name]()
+
+
+def train_in_one_scan(loss_fn: Any, params: Any, batches: Any, tx: Any,
+                      scaled: bool) -> tuple[np.ndarray, Any]:
+    """One step per batch (``batches`` stacked), in one jitted scan: with ``scaled``, the
+    loss-scaled step of ``ls.value_and_grad`` and ``ls.apply_gradients`` (``tx`` a
+    ``with_loss_scaling``), else optax's plain step. Returns every step's loss and the
+    final optimizer state."""
+
+    def step(carry, batch):
+        params, opt_state = carry
+        if scaled:
+            loss, grads = ls.value_and_grad(loss_fn)(opt_state, params, batch)
+            params, opt_state = ls.apply_gradients(tx, grads, opt_state, params, loss=loss)
+        else:
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        return (params, opt_state), loss
+
+    run = jax.jit(lambda params: jax.lax.scan(step, (params, tx.init(params)), batches))
+    (params, opt_state), losses = run(params)
+    return np.asarray(losses), opt_state

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from autocast_zoo import train_in_one_scan
 from jaxpr_walk import equations, flops_by_dtype, half_fraction
 from overflow_zoo import PLANTED, planted, tokens
 
@@ -72,21 +73,7 @@ def test_under_the_policy_the_loss_and_gradients_are_finite_and_half_flops_stay(
 def _train(loss_fn: Any, params: Any, steps: int, scaled: bool) -> Any:
     batches = jax.tree.map(lambda *xs: jnp.stack(xs), *[tokens(s) for s in range(1, steps + 1)])
     tx = ls.with_loss_scaling(optax.adam(1e-3)) if scaled else optax.adam(1e-3)
-
-    def step(carry, batch):
-        params, opt_state = carry
-        if scaled:
-            loss, grads = ls.value_and_grad(loss_fn)(opt_state, params, batch)
-            params, opt_state = ls.apply_gradients(tx, grads, opt_state, params, loss=loss)
-        else:
-            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-        return (params, opt_state), loss
-
-    (_, opt_state), losses = jax.jit(lambda p: jax.lax.scan(step, (p, tx.init(p)), batches))(
-        params)
-    return np.asarray(losses), opt_state
+    return train_in_one_scan(loss_fn, params, batches, tx, scaled)
 
 
 @pytest.mark.parametrize("name", PLANTED)

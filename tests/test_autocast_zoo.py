@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from autocast_zoo import ZOO, model
+from autocast_zoo import ZOO, model, train_in_one_scan
 from jaxpr_walk import flops_by_dtype, forward_and_grad, half_fraction, reading_half
 
 import loss_scaling as ls
@@ -63,33 +63,14 @@ def test_loss_and_gradients_agree_with_float32(name: str) -> None:
         assert float(a @ b / (jnp.linalg.norm(a) * jnp.linalg.norm(b))) >= 0.99
 
 
-def _train(loss_fn: Any, params: Any, batches: Any, tx: Any, scaled: bool) -> Any:
-    """150 Adam steps in one scan; returns the loss of every step."""
-
-    def step(carry, batch):
-        params, opt_state = carry
-        if scaled:
-            loss, grads = ls.value_and_grad(loss_fn)(opt_state, params, batch)
-            params, opt_state = ls.apply_gradients(tx, grads, opt_state, params, loss=loss)
-        else:
-            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-        return (params, opt_state), loss
-
-    run = jax.jit(lambda params: jax.lax.scan(step, (params, tx.init(params)), batches))
-    (params, opt_state), losses = run(params)
-    return np.asarray(losses), opt_state
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_150_steps_with_loss_scaling_track_the_float32_run(name: str) -> None:
     m = model(name)
     batches = jax.tree.map(lambda *xs: jnp.stack(xs), *[m.batch(s) for s in range(150)])
-    losses32, _ = _train(loss_of(name, False), m.params, batches, optax.adam(1e-3),
+    losses32, _ = train_in_one_scan(loss_of(name, False), m.params, batches, optax.adam(1e-3),
                          scaled=False)
     tx = ls.with_loss_scaling(optax.adam(1e-3))
-    losses16, opt_state = _train(loss_of(name, True), m.params, batches, tx, scaled=True)
+    losses16, opt_state = train_in_one_scan(loss_of(name, True), m.params, batches, tx, scaled=True)
     ls.check(opt_state)
     assert np.isfinite(losses16).all()
     # the default initial scale (2**15) backs off on the first steps at most
